@@ -1,0 +1,92 @@
+"""Llama 3.1 hyper-parameters and the named flavors."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 rotary frequency scaling (the published defaults)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
+    max_seq_len: int = 131072
+    # Scale the std of output projections by depth (TorchTitan's depth_init).
+    depth_init: bool = True
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU width as in Meta's reference: 2/3 of 4*dim, scaled, rounded up to ``multiple_of``."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def with_overrides(self, **overrides: Any) -> ModelArgs:
+        if isinstance(overrides.get("rope_scaling"), dict):
+            overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
+        unknown = set(overrides) - set(asdict(self))
+        if unknown:
+            raise ValueError(f"unknown model argument(s) {sorted(unknown)}; valid: {sorted(asdict(self))}")
+        return replace(self, **overrides)
+
+    def validate(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
+
+
+FLAVORS: dict[str, ModelArgs] = {
+    # Small enough to train on two CPU cores; same architecture as the real sizes.
+    "llama3_debug": ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=4096, multiple_of=256,
+        rope_theta=500000.0, max_seq_len=2048,
+    ),
+    "llama3_8b": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+    ),
+    "llama3_70b": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+    ),
+    "llama3_405b": ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+    ),
+}
+
+
+def get_flavor(name: str, **overrides: Any) -> ModelArgs:
+    """Look up a flavor by name; unknown names fail with the list of valid ones."""
+    if name not in FLAVORS:
+        raise ValueError(f"unknown model flavor {name!r}; choose model=<one of {sorted(FLAVORS)}>")
+    args = FLAVORS[name].with_overrides(**overrides) if overrides else FLAVORS[name]
+    args.validate()
+    return args

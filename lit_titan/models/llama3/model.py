@@ -1,0 +1,201 @@
+"""Llama 3.1 as a plain nn.Module: no parallelism in here.
+
+Parallel code elsewhere relies on three properties of this file:
+- blocks live in an ``nn.ModuleDict`` keyed "0".."n-1", and ``tok_embeddings``, ``norm`` and
+  ``output`` may be ``None``, so a pipeline stage is this model with parts removed and keeps the
+  original parameter names;
+- the model is built on the meta device and materialised by ``init_weights(seed)``, which gives
+  the same values whatever the layout (see ``lit_titan.models.init``);
+- attention's core op is a submodule (``attention.core``) that context parallelism can replace.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lit_titan.models.init import InitFn, canonical_name, normal, ones, seeded_init_
+from lit_titan.models.llama3.args import ModelArgs, RopeScaling
+
+
+def scaled_rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
+    """Inverse frequencies of rotary embeddings with Llama 3.1's long-context scaling.
+
+    Wavelengths shorter than original_ctx/high_freq_factor keep their frequency, those longer than
+    original_ctx/low_freq_factor are divided by ``factor``, and the band between is interpolated.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, interpolated)
+    return torch.where(wavelen < high_wavelen, inv_freq, scaled)
+
+
+def rope_tables(args: ModelArgs, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """cos and sin tables of shape [max_seq_len, head_dim // 2], in float32."""
+    inv_freq = scaled_rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
+    positions = torch.arange(args.max_seq_len, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate consecutive pairs (Meta's layout) of x [b, s, h, d] by angles cos/sin [s|b,s, d/2]."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = pairs.unbind(-1)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """[b, s, kv, d] -> [b, s, kv * n_rep, d] for grouped-query attention."""
+    if n_rep == 1:
+        return x
+    b, s, kv, d = x.shape
+    return x[:, :, :, None, :].expand(b, s, kv, n_rep, d).reshape(b, s, kv * n_rep, d)
+
+
+class CoreAttention(nn.Module):
+    """Causal attention over [b, h, s, d]; a module so context parallelism can swap it."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = CoreAttention()
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        bs, seqlen, _ = x.shape
+        # -1, not n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Not persistent: derived from args, so checkpoints hold only learned weights.
+        cos, sin = rope_tables(args, device="meta" if _on_meta() else None)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """tokens [b, s] (or hidden states [b, s, dim] on a pipeline stage without the embedding).
+
+        ``positions`` ([s] or [b, s]) are the tokens' places in the original sequence; they default
+        to 0..s-1 and differ only when the sequence is split (context parallelism).
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            cos, sin = self.rope_cos[: tokens.shape[1]], self.rope_sin[: tokens.shape[1]]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    # ---- materialisation ------------------------------------------------------------------------
+    def init_fn(self, name: str) -> InitFn:
+        """The initialiser of one parameter, by its canonical name (TorchTitan's scheme)."""
+        args = self.args
+        if name.startswith("tok_embeddings."):
+            return normal(1.0)
+        if name.startswith("output."):
+            return normal(args.dim**-0.5, trunc=3.0)
+        if name.endswith("norm.weight"):
+            return ones()
+        if name.startswith("layers."):
+            layer_id = int(name.split(".")[1])
+            depth = layer_id + 1 if args.depth_init else args.n_layers
+            out_std = 0.02 / math.sqrt(2 * depth)
+            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")):
+                return normal(out_std, trunc=3.0)
+            return normal(0.02, trunc=3.0)
+        raise KeyError(f"no initialiser for parameter {name!r}")
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        cos, sin = rope_tables(self.args, device=device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
+        """Fill every parameter (sharded or not) from (seed, name) and rebuild the rope tables."""
+        for name, param in self.named_parameters():
+            canon = canonical_name(name)
+            seeded_init_(param, canon, seed, self.init_fn(canon))
+        if buffer_device is None:
+            buffer_device = next((b.device for b in self.buffers() if b.device.type != "meta"), None)
+            if buffer_device is None:
+                buffer_device = _param_device(self)
+        self.init_buffers(buffer_device)
+
+
+def _on_meta() -> bool:
+    return torch.empty(0).device.type == "meta"
+
+
+def _param_device(module: nn.Module) -> torch.device:
+    from torch.distributed.tensor import DTensor
+
+    for p in module.parameters():
+        return p.to_local().device if isinstance(p, DTensor) else p.device
+    return torch.device("cpu")

@@ -1,0 +1,76 @@
+"""Parallel layout of the Llama 3.1 family (TorchTitan's plan, with one deliberate change).
+
+Change: the residual stream between blocks stays a Shard(1) DTensor (``use_local_output=False``
+on the embedding, attention.wo and feed_forward.w2). With local tensors there, torch.compile x TP
+crashes in backward and FSDP x TP x compile trains silently wrong (shared/design.md, trap 2).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lit_titan.models.llama3.model import Transformer
+from lit_titan.strategies.plan import ParallelPlan, register_plan
+
+
+def tp_root(model: nn.Module, loss_parallel: bool) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                 use_local_output=False)
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+def tp_block(block: nn.Module) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    return list(model.layers.values())
+
+
+def fsdp_units(model: nn.Module) -> list:
+    units: list = []
+    if model.tok_embeddings is not None:
+        units.append(model.tok_embeddings)
+    units.extend(model.layers.values())
+    tail = [m for m in (model.norm, model.output) if m is not None]
+    if tail:
+        units.append(tail)
+    return units
+
+
+LLAMA3_PLAN = ParallelPlan(tp_root=tp_root, tp_block=tp_block, blocks=blocks, fsdp_units=fsdp_units)
+register_plan(Transformer, LLAMA3_PLAN)

@@ -1,0 +1,148 @@
+"""PretrainModule: the LightningModule users run and subclass.
+
+Override points (no need to copy ``training_step``):
+- ``build_model()``   -> the nn.Module to train (called on the meta device);
+- ``compute_loss()``  -> scalar loss from logits and labels;
+- ``configure_optimizers()`` / ``build_optimizer()`` / ``build_scheduler()``.
+
+The module never parallelises anything itself: under ``TitanStrategy`` the strategy applies the
+model family's plan and materialises the weights; under any other strategy the module
+materialises the model on its device with the same seeded ``init_weights``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lit_titan.models.llama3 import Transformer, get_flavor
+from lit_titan.optim import OptimConfig, build_optimizer, build_scheduler
+from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_norm
+
+
+class PretrainModule(L.LightningModule):
+    def __init__(
+        self,
+        model: str = "llama3_debug",
+        model_overrides: dict[str, Any] | None = None,
+        optim: OptimConfig | dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if isinstance(optim, dict) or optim is None:
+            optim = _optim_config(optim or {})
+        self.save_hyperparameters({"model": model, "model_overrides": dict(model_overrides or {}),
+                                   "optim": asdict(optim), "seed": seed})
+        self.model_args = get_flavor(model, **dict(model_overrides or {}))
+        self.optim_config = optim
+        self.seed = seed
+        self.model: nn.Module | None = None
+        self._step_loss = torch.zeros(())
+        self._micro_batches = 0
+        self._tokens_per_step = 0
+        self._last_grad_norm: Tensor | None = None
+
+    # ---- override points ------------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        """The network to train; built under the meta device, so allocate nothing real here."""
+        return Transformer(self.model_args)
+
+    def compute_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Next-token cross-entropy, mean over this micro-batch's tokens.
+
+        Packed data has no ignored labels, so every micro-batch holds the same number of tokens
+        and this mean, divided by Lightning over accumulation steps and averaged by FSDP over
+        data-parallel ranks, equals the sum over the global step's tokens divided by their count.
+        """
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return build_optimizer(self.model, self.optim_config)
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return build_scheduler(optimizer, self.optim_config)
+
+    # ---- Lightning hooks ------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.model is not None:  # Lightning may call this more than once
+            return
+        with torch.device("meta"):
+            self.model = self.build_model()
+        if not getattr(self.trainer.strategy, "owns_parallelization", False):
+            self.model.to_empty(device=self.trainer.strategy.root_device)
+            self.model.init_weights(self.seed)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = self.build_optimizer()
+        scheduler = self.build_scheduler(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        return self.model(tokens, positions)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        loss = self.compute_loss(self(inputs), labels)
+        self._step_loss = self._step_loss.to(loss.device) + _plain(loss.detach()).float()
+        self._micro_batches += 1
+        self._tokens_per_step_accumulate(inputs)
+        return loss
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        loss = self.compute_loss(self(inputs), labels)
+        self.log("val/loss", _plain(loss.detach()), sync_dist=True, prog_bar=True)
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Log once per optimizer step (not per micro-batch): the step's mean loss, lr, grad norm."""
+        grads_owner = self.trainer.strategy
+        self._last_grad_norm = total_grad_norm(
+            [p for p in self.parameters() if p.grad is not None], pp_group=getattr(grads_owner, "pp_group", None)
+        )
+        step_loss = self._step_loss / max(self._micro_batches, 1)
+        self.log("train/loss", step_loss, sync_dist=True, prog_bar=True, on_step=True, on_epoch=False)
+        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+        self.log("train/grad_norm", self._last_grad_norm, on_step=True, on_epoch=False)
+        self.log("train/tokens_seen", float((self.global_step + 1) * self._tokens_per_step),
+                 on_step=True, on_epoch=False)
+        self._step_loss = torch.zeros((), device=step_loss.device)
+        self._micro_batches = 0
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None) -> None:
+        """Clip by the true global norm (across every mesh dim), computed once per step."""
+        if not gradient_clip_val:
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError("PretrainModule clips by norm only; set trainer.gradient_clip_algorithm=norm")
+        params = [p for p in self.parameters() if p.grad is not None]
+        clip_grads_with_norm_(params, gradient_clip_val, self._last_grad_norm)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _tokens_per_step_accumulate(self, inputs: Tensor) -> None:
+        if self.global_step == 0 or not self._tokens_per_step:
+            dp = getattr(self.trainer.strategy, "data_parallel_size", self.trainer.world_size)
+            accum = self.trainer.accumulate_grad_batches
+            self._tokens_per_step = inputs.numel() * dp * accum
+
+
+def _plain(t: Tensor) -> Tensor:
+    """A replicated DTensor (e.g. the loss under loss parallel) as a plain tensor, for logging."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _optim_config(values: dict[str, Any]) -> OptimConfig:
+    names = {f.name for f in fields(OptimConfig)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"unknown optim key(s) {sorted(unknown)}; valid: {sorted(names)}")
+    values = dict(values)
+    if "betas" in values:
+        values["betas"] = tuple(values["betas"])
+    return OptimConfig(**values)

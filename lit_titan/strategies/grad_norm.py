@@ -1,0 +1,40 @@
+"""Global gradient norm and clipping across every mesh dim (FSDP, TP, PP)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@torch.no_grad()
+def total_grad_norm(params: Iterable[Tensor], pp_group: dist.ProcessGroup | None = None,
+                    norm_type: float = 2.0) -> Tensor:
+    """The L2 norm of all gradients of the whole model, identical on every rank.
+
+    Sharded (DTensor) gradients reduce over their own mesh through ``full_tensor``; pipeline
+    stages hold disjoint parameters, so their squared norms are summed over ``pp_group``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        norm = torch.zeros(())
+    else:
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        norm = norm ** norm_type
+        dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
+        norm = norm ** (1.0 / norm_type)
+    return norm
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(params: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> None:
+    params = [p for p in params if p.grad is not None]
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)

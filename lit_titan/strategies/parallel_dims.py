@@ -1,0 +1,118 @@
+"""Parallel degrees, their validation, and the 5-D DeviceMesh built from them.
+
+Dims, outer to inner: pp, dp_replicate, dp_shard, cp, tp (tp innermost: it talks most, so it gets
+the fastest links). Flattened views: ``dp`` (data loading), ``dp_shard_cp`` (FSDP sharding),
+``dp_cp`` (loss and metric reduction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot work; the message names the setting to change."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    world_size: int = 1
+
+    @classmethod
+    def resolve(cls, world_size: int, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1,
+                tp: int = 1) -> ParallelDims:
+        """Fill ``dp_shard=-1`` with the ranks left over and check the degrees multiply to the world."""
+        for name, value in (("pp", pp), ("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp)):
+            if value < 1:
+                raise LayoutError(f"parallel.{name}={value} must be >= 1")
+        if dp_shard == 0 or dp_shard < -1:
+            raise LayoutError(f"parallel.dp_shard={dp_shard} must be >= 1, or -1 for 'the remaining ranks'")
+        others = pp * dp_replicate * cp * tp
+        if dp_shard == -1:
+            if world_size % others:
+                raise LayoutError(
+                    f"pp*dp_replicate*cp*tp = {pp}*{dp_replicate}*{cp}*{tp} = {others} does not divide the "
+                    f"world size {world_size}; change the degrees or cluster.devices/num_nodes"
+                )
+            dp_shard = world_size // others
+        if others * dp_shard != world_size:
+            raise LayoutError(
+                f"parallel degrees pp*dp_replicate*dp_shard*cp*tp = {pp}*{dp_replicate}*{dp_shard}*{cp}*{tp} = "
+                f"{others * dp_shard} but the world size is {world_size}; set parallel.dp_shard=-1 or change "
+                f"cluster.devices (processes per node) / cluster.num_nodes to match"
+            )
+        return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size)
+
+    # ---- derived sizes --------------------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        return self.dp_shard * self.cp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(MESH_DIMS, self.shape))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index on each dim (row-major over MESH_DIMS), without any process group."""
+        out, rest = {}, rank
+        for name, size in reversed(list(zip(MESH_DIMS, self.shape))):
+            out[name] = rest % size
+            rest //= size
+        return {name: out[name] for name in MESH_DIMS}
+
+    def dp_rank(self, rank: int) -> int:
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    # ---- validation against the model and data --------------------------------------------------
+    def validate(self, *, n_heads: int | None = None, n_kv_heads: int | None = None, seq_len: int | None = None,
+                 global_batch_size: int | None = None, micro_batch_size: int | None = None) -> None:
+        if n_heads is not None and n_heads % self.tp:
+            raise LayoutError(f"model n_heads={n_heads} is not divisible by parallel.tp={self.tp}; choose a tp "
+                              f"that divides it")
+        if n_kv_heads is not None and n_kv_heads % self.tp:
+            raise LayoutError(f"model n_kv_heads={n_kv_heads} is not divisible by parallel.tp={self.tp}; choose a "
+                              f"tp that divides it")
+        if seq_len is not None:
+            # cp>1 splits each sequence into 2*cp chunks (causal load balance); tp>1 shards it by tp
+            # between blocks (sequence parallel).
+            unit = self.tp * (2 * self.cp if self.cp > 1 else 1)
+            if seq_len % unit:
+                raise LayoutError(f"data.seq_len={seq_len} must be divisible by "
+                                  f"{'2*cp*tp' if self.cp > 1 else 'tp'}={unit}; change data.seq_len")
+        if global_batch_size is not None:
+            micro = micro_batch_size or max(global_batch_size // self.dp, 1)
+            if global_batch_size % (self.dp * micro):
+                raise LayoutError(
+                    f"data.global_batch_size={global_batch_size} is not divisible by data-parallel size "
+                    f"{self.dp} x micro-batch {micro}; change data.global_batch_size or data.micro_batch_size"
+                )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """One 5-D mesh plus the flattened views; call once the process group exists."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+        # DeviceMesh has no public flatten yet (torch 2.11-2.14); _flatten is what TorchTitan uses.
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return mesh

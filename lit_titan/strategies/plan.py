@@ -1,0 +1,41 @@
+"""What a model family tells the strategy: its TP layout, its blocks, its FSDP units.
+
+The model file stays free of parallel code; each family ships one ``ParallelPlan`` and users may
+pass their own to ``TitanStrategy(plan=...)`` or override ``TitanStrategy.plan_for``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    # {submodule path: ParallelStyle} for the model's top-level modules (embeddings, norm, head)
+    tp_root: Callable[[nn.Module, bool], dict]
+    # the same for one transformer block
+    tp_block: Callable[[nn.Module], dict]
+    # the repeated blocks (activation checkpointing, compile and FSDP wrap each)
+    blocks: Callable[[nn.Module], Iterable[nn.Module]]
+    # FSDP units in forward order (a list groups modules into one all-gather)
+    fsdp_units: Callable[[nn.Module], list]
+    # attribute path of the block container, for replacing wrapped blocks in place
+    block_container: str = "layers"
+
+
+_REGISTRY: dict[type, ParallelPlan] = {}
+
+
+def register_plan(model_cls: type, plan: ParallelPlan) -> None:
+    _REGISTRY[model_cls] = plan
+
+
+def plan_for(model: nn.Module) -> ParallelPlan:
+    for cls in type(model).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    raise TypeError(f"no ParallelPlan registered for {type(model).__name__}; pass TitanStrategy(plan=...) or call "
+                    f"lit_titan.strategies.plan.register_plan({type(model).__name__}, plan)")

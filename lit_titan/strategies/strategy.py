@@ -1,0 +1,215 @@
+"""TitanStrategy: the one place where parallel execution lives.
+
+Extends Lightning's ``ModelParallelStrategy`` (2-D, user-parallelised) with:
+- a 5-D mesh (pp, dp_replicate, dp_shard, cp, tp) validated before any process-group work;
+- parallelisation in one fixed order from the model family's ``ParallelPlan``
+  (TP/SP -> activation checkpointing -> compile -> FSDP/HSDP), then seeded materialisation;
+- reductions over the data-parallel group (not the world), FSDP gradient sync skipped on
+  non-final micro-batches, loss-parallel contexts spanning forward and backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+
+from lit_titan.strategies.fsdp import FSDPConfig, apply_fsdp, mixed_precision_for
+from lit_titan.strategies.parallel_dims import ParallelDims
+from lit_titan.strategies.plan import ParallelPlan, plan_for
+from lit_titan.strategies.tensor_parallel import apply_tensor_parallel
+
+# Slots, in application order, where callbacks (Float8, activation checkpointing, compile) plug
+# transforms in. Each transform is called as fn(model, plan, strategy).
+TRANSFORM_SLOTS = ("convert", "activation_checkpointing", "compile")
+Transform = Callable[[nn.Module, ParallelPlan, "TitanStrategy"], None]
+
+
+class TitanStrategy(ModelParallelStrategy):
+    # PretrainModule reads this: the strategy, not the module, builds the real weights.
+    owns_parallelization = True
+    strategy_name = "titan"
+
+    def __init__(
+        self,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        *,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        loss_parallel: bool = True,
+        plan: ParallelPlan | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(data_parallel_size=1, tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self._degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
+        self._plan = plan
+        self.fsdp_config = FSDPConfig(reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+        self.loss_parallel = loss_parallel
+        self.parallel_dims: ParallelDims | None = None
+        self._transforms: dict[str, list[Transform]] = {slot: [] for slot in TRANSFORM_SLOTS}
+        self._fsdp_applied = False
+
+    # ---- layout ---------------------------------------------------------------------------------
+    def resolve_dims(self) -> ParallelDims:
+        """Resolve and validate the degrees against world size, model and data (no process groups)."""
+        dims = ParallelDims.resolve(self.world_size, **self._degrees)
+        module = self.lightning_module
+        args = getattr(module, "model_args", None)
+        dm = getattr(getattr(module, "trainer", None), "datamodule", None) if module is not None else None
+        dims.validate(
+            n_heads=getattr(args, "n_heads", None),
+            n_kv_heads=getattr(args, "kv_heads", None),
+            seq_len=getattr(dm, "seq_len", None),
+            global_batch_size=getattr(dm, "global_batch_size", None),
+            micro_batch_size=getattr(dm, "micro_batch_size", None),
+        )
+        return dims
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel_dims.dp if self.parallel_dims else 1
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.parallel_dims.dp_rank(self.global_rank) if self.parallel_dims else 0
+
+    @property
+    def pp_group(self) -> torch.distributed.ProcessGroup | None:
+        if self.parallel_dims is None or self.parallel_dims.pp == 1:
+            return None
+        return self.device_mesh["pp"].get_group()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    def plan_for(self, model: nn.Module) -> ParallelPlan:
+        """The layout of ``model``; override (or pass ``plan=``) for a custom model family."""
+        return self._plan if self._plan is not None else plan_for(model)
+
+    def register_transform(self, slot: str, fn: Transform) -> None:
+        """Callbacks ask for transforms; the strategy decides when they run (TRANSFORM_SLOTS order)."""
+        if slot not in self._transforms:
+            raise ValueError(f"unknown transform slot {slot!r}; choose one of {TRANSFORM_SLOTS}")
+        self._transforms[slot].append(fn)
+
+    # ---- Lightning lifecycle --------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        # Validate before the process group and mesh exist: a bad layout fails in seconds.
+        self.parallel_dims = self.resolve_dims()
+        self._setup_distributed()
+        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        model = getattr(module, "model", None)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{type(self).__name__} parallelises `LightningModule.model`; build it in configure_model()"
+                            f" (see lit_titan.PretrainModule)")
+        precision = self.precision_plugin.precision
+        mixed_precision_for(precision)  # refuse unsupported flags before any work
+        self.parallelize(model, precision)
+        self.materialize(model, seed=getattr(module, "seed", 0))
+        if self._fsdp_applied and precision == "bf16-mixed":
+            # FSDP's MixedPrecisionPolicy already computes in bf16 with fp32 master weights and
+            # reductions; Lightning's autocast on top would only add casts.
+            self.precision_plugin = Precision()
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, model: nn.Module, precision: str) -> None:
+        """Apply every parallelism in the documented order (docs/architecture.md)."""
+        dims, mesh, plan = self.parallel_dims, self.device_mesh, self.plan_for(model)
+        self._run_transforms("convert", model, plan)
+        if dims.tp > 1:
+            apply_tensor_parallel(model, mesh["tp"], plan, self.loss_parallel)
+        self._run_transforms("activation_checkpointing", model, plan)
+        self._run_transforms("compile", model, plan)
+        param_dtype, _ = mixed_precision_for(precision)
+        if dims.dp_replicate * dims.fsdp_size > 1 or param_dtype is not None:
+            fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+            apply_fsdp(plan.fsdp_units(model), model, fsdp_mesh, precision, self.fsdp_config)
+            self._fsdp_applied = True
+
+    def materialize(self, model: nn.Module, seed: int) -> None:
+        """meta -> real storage, then the model's seeded, layout-independent init."""
+        init_device = torch.device("cpu") if self.fsdp_config.cpu_offload else self.root_device
+        model.to_empty(device=init_device)
+        model.init_weights(seed=seed, buffer_device=self.root_device)
+
+    def _run_transforms(self, slot: str, model: nn.Module, plan: ParallelPlan) -> None:
+        for fn in self._transforms[slot]:
+            fn(model, plan, self)
+
+    # ---- collectives and contexts ---------------------------------------------------------------
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
+        """Reduce over the data(+context)-parallel group by default: TP/PP peers hold copies, not samples."""
+        if group is None and self._device_mesh is not None:
+            group = self._device_mesh["dp_cp"].get_group()
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = super().reduce(flag, group=torch.distributed.group.WORLD if self._device_mesh else None, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip FSDP's reduce-scatter on non-final micro-batches of gradient accumulation."""
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model else []
+        for m in fsdp_modules:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in fsdp_modules:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+    def _loss_context(self):
+        if self.parallel_dims is not None and self.parallel_dims.tp > 1 and self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        # Lightning calls backward outside training_step; loss parallel must span both.
+        with self._loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
