@@ -106,13 +106,19 @@ class ParallelDims:
                     f"{self.dp} x micro-batch {micro}; change data.global_batch_size or data.micro_batch_size"
                 )
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """One 5-D mesh plus the flattened views; call once the process group exists."""
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
+        """The 5-D mesh and its flattened views {dp, dp_shard_cp, dp_cp}; needs the process group.
+
+        The views are kept by the caller: slicing a flattened dim back out of the root mesh is
+        deprecated from torch 2.11.
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
         # DeviceMesh has no public flatten yet (torch 2.11-2.14); _flatten is what TorchTitan uses.
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return mesh
+        views = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
+        return mesh, views

@@ -10,6 +10,7 @@ Extends Lightning's ``ModelParallelStrategy`` (2-D, user-parallelised) with:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -66,10 +67,14 @@ class TitanStrategy(ModelParallelStrategy):
         self.parallel_dims: ParallelDims | None = None
         self._transforms: dict[str, list[Transform]] = {slot: [] for slot in TRANSFORM_SLOTS}
         self._fsdp_applied = False
+        self.mesh_views: dict = {}
 
     # ---- layout ---------------------------------------------------------------------------------
     def resolve_dims(self) -> ParallelDims:
-        """Resolve and validate the degrees against world size, model and data (no process groups)."""
+        """Resolve and validate the degrees against world size, model and data (no process groups).
+
+        The batch split is checked by the datamodule, which knows its data-parallel coordinates.
+        """
         dims = ParallelDims.resolve(self.world_size, **self._degrees)
         module = self.lightning_module
         args = getattr(module, "model_args", None)
@@ -78,8 +83,6 @@ class TitanStrategy(ModelParallelStrategy):
             n_heads=getattr(args, "n_heads", None),
             n_kv_heads=getattr(args, "kv_heads", None),
             seq_len=getattr(dm, "seq_len", None),
-            global_batch_size=getattr(dm, "global_batch_size", None),
-            micro_batch_size=getattr(dm, "micro_batch_size", None),
         )
         return dims
 
@@ -115,8 +118,11 @@ class TitanStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Validate before the process group and mesh exist: a bad layout fails in seconds.
         self.parallel_dims = self.resolve_dims()
+        if self.root_device.type == "cpu":
+            # N processes on one host share its cores; without this each takes them all.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
         self._setup_distributed()
-        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        self._device_mesh, self.mesh_views = self.parallel_dims.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -154,7 +160,9 @@ class TitanStrategy(ModelParallelStrategy):
         self._run_transforms("compile", model, plan)
         param_dtype, _ = mixed_precision_for(precision)
         if dims.dp_replicate * dims.fsdp_size > 1 or param_dtype is not None:
-            fsdp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+            # HSDP needs the 2-D (replicate, shard) mesh, only reachable by slicing the root mesh.
+            fsdp_mesh = (mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1
+                         else self.mesh_views["dp_shard_cp"])
             apply_fsdp(plan.fsdp_units(model), model, fsdp_mesh, precision, self.fsdp_config)
             self._fsdp_applied = True
 
@@ -172,7 +180,7 @@ class TitanStrategy(ModelParallelStrategy):
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
         """Reduce over the data(+context)-parallel group by default: TP/PP peers hold copies, not samples."""
         if group is None and self._device_mesh is not None:
-            group = self._device_mesh["dp_cp"].get_group()
+            group = self.mesh_views["dp_cp"].get_group()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

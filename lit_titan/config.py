@@ -1,0 +1,90 @@
+"""Compose the Hydra config from ``conf/`` and check it before any expensive work."""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lit_titan.models.llama3 import ModelArgs, get_flavor
+from lit_titan.strategies.parallel_dims import ParallelDims
+
+LOGGERS = ("csv", "tensorboard", "wandb")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
+                  "max_seq_len")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key to change."""
+
+
+def conf_dir() -> Path:
+    """``conf/`` of the repository, or of the installed wheel (package ``lit_titan.conf``)."""
+    return Path(str(importlib.resources.files("lit_titan.conf")))
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "train") -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        detail = str(err).strip() or str(err.__cause__ or "").strip() or type(err).__name__
+        raise ConfigError(f"{detail}\n(config groups and their options: {conf_dir()})") from err
+
+
+def model_args(cfg: DictConfig) -> ModelArgs:
+    overrides = {k: cfg.model[k] for k in MODEL_ARG_KEYS if cfg.model.get(k) is not None}
+    return get_flavor(cfg.model.name, **overrides)
+
+
+def model_overrides(cfg: DictConfig) -> dict[str, Any]:
+    return {k: cfg.model[k] for k in MODEL_ARG_KEYS if cfg.model.get(k) is not None}
+
+
+def world_size(cfg: DictConfig) -> int:
+    return int(cfg.cluster.devices) * int(cfg.cluster.num_nodes)
+
+
+def parallel_dims(cfg: DictConfig) -> ParallelDims:
+    p = cfg.parallel
+    return ParallelDims.resolve(world_size(cfg), pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
+                                cp=p.cp, tp=p.tp)
+
+
+def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
+    """Every check that needs no data, model weights or processes; raises ConfigError/LayoutError."""
+    try:
+        args = model_args(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if cfg.logger.name not in LOGGERS:
+        raise ConfigError(f"unknown logger {cfg.logger.name!r}; choose logger=<one of {LOGGERS}>")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision={cfg.precision!r} is not supported; choose one of {PRECISIONS}")
+    seq_len = int(cfg.data.seq_len)
+    if seq_len < 1:
+        raise ConfigError(f"data.seq_len={seq_len} must be >= 1")
+    if seq_len > args.max_seq_len:
+        raise ConfigError(f"data.seq_len={seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
+                          f"{cfg.model.name}; lower data.seq_len or raise model.max_seq_len")
+    if int(cfg.trainer.max_steps) < 1:
+        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
+    dims = parallel_dims(cfg)
+    dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=seq_len,
+                  global_batch_size=int(cfg.data.global_batch_size),
+                  micro_batch_size=cfg.data.micro_batch_size)
+    return args, dims
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,0 +1,144 @@
+"""``python -m lit_titan.train [hydra overrides]``: compose config, build the pieces, fit.
+
+Thin on purpose: every decision lives in library code (config, strategy, module, data).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lit_titan.config import ConfigError, compose, model_overrides, to_yaml, validate
+from lit_titan.strategies.parallel_dims import LayoutError
+
+RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
+# Errors that mean "fix your input": printed as one line, no traceback, exit code 2.
+USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError)
+
+
+def resolve_run_dir(cfg: DictConfig) -> Path:
+    """The run directory, identical in every process of the job.
+
+    Child processes started by Lightning's launcher inherit the parent's environment, so the
+    parent's choice travels to them through LIT_TITAN_RUN_DIR.
+    """
+    if cfg.run_dir:
+        path = Path(str(cfg.run_dir))
+    elif os.environ.get(RUN_DIR_ENV):
+        path = Path(os.environ[RUN_DIR_ENV])
+    else:
+        stamp = os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{cfg.model.name}-{stamp}"
+    path = path.expanduser().resolve()
+    os.environ[RUN_DIR_ENV] = str(path)
+    return path
+
+
+def is_launcher_rank_zero() -> bool:
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+
+    loggers: list = [CSVLogger(save_dir=str(run_dir), name="", version="")]
+    if cfg.logger.name == "tensorboard":
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
+    elif cfg.logger.name == "wandb":
+        if cfg.logger.get("offline", True):
+            os.environ.setdefault("WANDB_MODE", "offline")
+        loggers.append(WandbLogger(save_dir=str(run_dir), project=cfg.logger.get("project", "lit-titan"),
+                                   offline=bool(cfg.logger.get("offline", True))))
+    return loggers
+
+
+def build_strategy(cfg: DictConfig):
+    from lit_titan.strategies import TitanStrategy
+
+    p = cfg.parallel
+    return TitanStrategy(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                         reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload,
+                         loss_parallel=p.loss_parallel)
+
+
+def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
+    """hydra.utils.instantiate, re-raising the target's own error (it names the fix) unwrapped."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, (ValueError, FileNotFoundError)):
+            raise err.__cause__ from None
+        raise
+
+
+def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
+    """Run one training job from a composed config; returns the run summary."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_titan.callbacks import RunSummary
+    from lit_titan.module import PretrainModule
+
+    args, dims = validate(cfg)
+    run_dir = resolve_run_dir(cfg)
+    OmegaConf.update(cfg, "run_dir", str(run_dir))
+    if is_launcher_rank_zero():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    datamodule = _instantiate(cfg.data, data_dir=os.path.expanduser(str(cfg.data.data_dir)),
+                              model_vocab_size=args.vocab_size, _convert_="all")
+    module = PretrainModule(model=cfg.model.name, model_overrides=model_overrides(cfg),
+                            optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=int(cfg.seed))
+
+    global_batch = int(cfg.data.global_batch_size)
+    micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)
+    summary = RunSummary(run_dir=str(run_dir))
+    all_callbacks = [summary, *(callbacks or [])]
+    if cfg.checkpoint.enabled:
+        every = int(cfg.checkpoint.every_n_steps) or None
+        all_callbacks.append(ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=every,
+                                             save_last=True, save_top_k=0 if every is None else -1))
+    t = cfg.trainer
+    trainer = L.Trainer(
+        accelerator=cfg.cluster.accelerator, devices=cfg.cluster.devices, num_nodes=cfg.cluster.num_nodes,
+        strategy=build_strategy(cfg), precision=cfg.precision, max_steps=int(t.max_steps),
+        accumulate_grad_batches=global_batch // (dims.dp * micro), gradient_clip_val=t.gradient_clip_val,
+        log_every_n_steps=t.log_every_n_steps, limit_val_batches=t.limit_val_batches,
+        val_check_interval=t.val_check_interval if t.limit_val_batches else None,
+        enable_progress_bar=t.enable_progress_bar, deterministic=t.deterministic,
+        logger=build_loggers(cfg, run_dir), callbacks=all_callbacks, default_root_dir=str(run_dir),
+        enable_checkpointing=bool(cfg.checkpoint.enabled), use_distributed_sampler=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+    return summary.summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip() + "\n\nConfig groups and defaults: conf/train.yaml; print the composed config "
+              "with: python -m lit_titan.train --cfg [overrides]")
+        return {}
+    if argv[:1] == ["--cfg"]:
+        print(to_yaml(compose(argv[1:])))
+        return {}
+    return train(compose(argv))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except USER_ERRORS as err:
+        print(f"lit-titan: error: {err}", file=sys.stderr)
+        sys.exit(2)

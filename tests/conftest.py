@@ -1,0 +1,21 @@
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_data_cache(tmp_path_factory):
+    """One tokenizer + token cache for the whole session (subprocesses inherit the variable)."""
+    if "LIT_TITAN_CACHE" not in os.environ:
+        os.environ["LIT_TITAN_CACHE"] = str(tmp_path_factory.mktemp("lit_titan_cache"))
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
