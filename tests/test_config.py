@@ -71,6 +71,14 @@ def test_empty_corpus_is_refused(tmp_path):
         main([*TINY, "data=text", f"data.path={empty}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1"])
 
 
+def test_corpus_smaller_than_one_batch_is_refused(tmp_path):
+    small = tmp_path / "corpus"
+    small.mkdir()
+    (small / "one.txt").write_text("a few words only")
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        main([*TINY, "data=text", f"data.path={small}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=1"])
+
+
 def test_cli_reports_errors_in_one_line_without_starting_processes(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "lit_titan.train", "cluster.devices=2", "parallel.tp=3", f"run_dir={tmp_path}"],

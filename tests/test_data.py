@@ -1,0 +1,453 @@
+"""Tests for lit_titan.data: determinism, layout-independent order, resume, caching, bad input (CPU, fast)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lit_titan.data import (
+    EOS_TOKEN,
+    HFTokenizer,
+    PretrainDataModule,
+    Tokenizer,
+    build_tokenizer,
+    load_corpus,
+    text_corpus,
+    train_bpe_tokenizer,
+)
+
+SMALL = 300_000
+TOK = {"kind": "bpe", "vocab_size": 1024}
+SEQ = 64
+
+
+def make_dm(data_dir: Path, **kw: Any) -> PretrainDataModule:
+    args: dict[str, Any] = dict(
+        corpus="stdlib", tokenizer=TOK, seq_len=SEQ, global_batch_size=4, data_dir=str(data_dir), max_bytes=SMALL
+    )
+    args.update(kw)
+    return PretrainDataModule(**args)
+
+
+def batches(dm: PretrainDataModule, n: int | None = None) -> list[torch.Tensor]:
+    dm.setup("fit")
+    out = []
+    for i, b in enumerate(dm.train_dataloader()):
+        if n is not None and i >= n:
+            break
+        out.append(b)
+    return out
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One shared cache (tokenizer + token chunks) for the whole file."""
+    d = tmp_path_factory.mktemp("data")
+    dm = make_dm(d)
+    dm.prepare_data()
+    assert dm.last_prepare_built
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _no_dist_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("WORLD_SIZE", "GLOBAL_RANK", "NNODES"):
+        monkeypatch.delenv(var, raising=False)
+
+
+# ---- batches --------------------------------------------------------------------------
+def test_batch_format_and_eos(data_dir: Path) -> None:
+    dm = make_dm(data_dir)
+    (b,) = batches(dm, 1)
+    assert b.dtype == torch.long and b.shape == (4, SEQ + 1)
+    assert dm.micro_batch_size == 4 and dm.grad_accum_steps == 1
+    assert dm.vocab_size == dm.tokenizer.vocab_size <= 1024
+    assert 0 <= int(b.min()) and int(b.max()) < dm.vocab_size
+    # every document is followed by eos: the cache holds one eos per stdlib file
+    eos = dm.tokenizer.eos_id
+    all_tokens = torch.cat([x.flatten() for x in batches(make_dm(data_dir, shuffle=False))])
+    assert int((all_tokens == eos).sum()) > 0
+
+
+def test_deterministic_per_seed(data_dir: Path) -> None:
+    a = batches(make_dm(data_dir, seed=1), 2)
+    b = batches(make_dm(data_dir, seed=1), 2)
+    c = batches(make_dm(data_dir, seed=2), 2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+
+
+def _fake_trainer(global_rank: int, world_size: int, dp: tuple[int, int] | None) -> Any:
+    strategy = SimpleNamespace() if dp is None else SimpleNamespace(data_parallel_rank=dp[0], data_parallel_size=dp[1])
+    return SimpleNamespace(strategy=strategy, global_rank=global_rank, world_size=world_size)
+
+
+def test_dp_coords_resolution(data_dir: Path) -> None:
+    dm = make_dm(data_dir)
+    assert dm.data_parallel_coords() == (0, 1)
+    dm.trainer = _fake_trainer(3, 4, None)
+    assert dm.data_parallel_coords() == (3, 4)
+    dm.trainer = _fake_trainer(3, 4, (1, 2))
+    assert dm.data_parallel_coords() == (1, 2)
+    assert make_dm(data_dir, dp_rank=0, dp_size=4).data_parallel_coords() == (0, 4)
+
+
+def _step_rows(per_rank: list[list[torch.Tensor]], accum: int, step: int) -> torch.Tensor:
+    """Rows of optimizer step ``step``: micro-steps in order, each = dp ranks' rows in rank order."""
+    return torch.cat([torch.cat([b[step * accum + j] for b in per_rank]) for j in range(accum)])
+
+
+def _rank_batches(data_dir: Path, dp: int, micro: int, n: int | None = None, **kw: Any) -> list[list[torch.Tensor]]:
+    return [batches(make_dm(data_dir, micro_batch_size=micro, dp_rank=r, dp_size=dp, **kw), n) for r in range(dp)]
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_global_order_independent_of_layout(data_dir: Path, dp: int) -> None:
+    """dp x micro 2 with accumulation == one rank with micro 8: same rows in every optimizer step."""
+    G, micro = 8, 2
+    accum = G // (dp * micro)
+    ref = batches(make_dm(data_dir, seed=3, global_batch_size=G, micro_batch_size=G))
+    per_rank = _rank_batches(data_dir, dp, micro, seed=3, global_batch_size=G)
+    dm = make_dm(data_dir, global_batch_size=G, micro_batch_size=micro, dp_rank=0, dp_size=dp)
+    assert dm.grad_accum_steps == accum
+    assert len(ref) > 10 and all(b.shape == (micro, SEQ + 1) and b.dtype == torch.long for b in per_rank[0])
+    assert all(len(b) >= len(ref) * accum for b in per_rank)  # the whole epoch, not just a prefix
+    for k in range(len(ref)):
+        assert torch.equal(_step_rows(per_rank, accum, k), ref[k]), f"optimizer step {k} differs (dp={dp})"
+    # the ranks split each micro-step: no row is read twice
+    rows = [tuple(r.tolist()) for b in per_rank for x in b[: len(ref) * accum] for r in x]
+    assert len(set(rows)) == len(rows) == len(ref) * G
+
+
+def test_dp_peers_identical(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 global ranks, dp_size=2 (e.g. TP=2): ranks {0,1} -> dp 0, {2,3} -> dp 1."""
+    per_rank = []
+    for rank in range(4):
+        # What litdata would detect on this process: the *global* rank/world size (must be ignored).
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        monkeypatch.setenv("GLOBAL_RANK", str(rank))
+        dm = make_dm(data_dir, global_batch_size=8, micro_batch_size=2)
+        dm.trainer = _fake_trainer(rank, 4, (rank // 2, 2))
+        per_rank.append(batches(dm, 12))
+        assert dm.grad_accum_steps == 2
+    assert len(per_rank[0]) == 12
+    for peer_a, peer_b in ((0, 1), (2, 3)):
+        assert all(torch.equal(x, y) for x, y in zip(per_rank[peer_a], per_rank[peer_b], strict=True))
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("GLOBAL_RANK")
+    ref = batches(make_dm(data_dir, global_batch_size=8, micro_batch_size=8), 6)
+    for k in range(6):
+        assert torch.equal(_step_rows([per_rank[0], per_rank[2]], 2, k), ref[k])
+
+
+def test_batch_size_validation(data_dir: Path) -> None:
+    dm = make_dm(data_dir, global_batch_size=8, micro_batch_size=2, dp_rank=0, dp_size=2)
+    assert dm.grad_accum_steps == 2 and dm.micro_batch_size == 2
+    with pytest.raises(ValueError, match="data.global_batch_size.*data.micro_batch_size"):
+        make_dm(data_dir, global_batch_size=6, micro_batch_size=4, dp_rank=0, dp_size=1)
+    dm = make_dm(data_dir, global_batch_size=4, micro_batch_size=2)
+    dm.trainer = _fake_trainer(0, 4, (0, 4))
+    with pytest.raises(ValueError, match="data.micro_batch_size"):
+        dm.setup("fit")
+
+
+# ---- resume ---------------------------------------------------------------------------
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_resume_continues_with_next_batch(data_dir: Path, num_workers: int) -> None:
+    k = 3
+    reference = batches(make_dm(data_dir, num_workers=num_workers), k + 2)
+    dm = make_dm(data_dir, num_workers=num_workers)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    it = iter(loader)
+    seen = [next(it) for _ in range(k)]
+    state = loader.state_dict()
+    del it
+    assert all(torch.equal(x, y) for x, y in zip(seen, reference))
+
+    dm2 = make_dm(data_dir, num_workers=num_workers)
+    dm2.setup("fit")
+    loader2 = dm2.train_dataloader()
+    loader2.load_state_dict(state)
+    nxt = next(iter(loader2))
+    assert torch.equal(nxt, reference[k])
+
+
+def _loader(data_dir: Path, dp: int, micro: int, rank: int = 0, **kw: Any) -> Any:
+    dm = make_dm(data_dir, global_batch_size=8, micro_batch_size=micro, dp_rank=rank, dp_size=dp, **kw)
+    dm.setup("fit")
+    return dm.train_dataloader()
+
+
+def test_resume_across_dp_layouts(data_dir: Path) -> None:
+    """k optimizer steps at dp2 x micro2 (accum 2); resume at dp1 x micro8, dp4 x micro2, dp1 x micro4."""
+    k = 3
+    ref = batches(make_dm(data_dir, global_batch_size=8, micro_batch_size=8), k + 2)
+    states = []
+    for rank in range(2):
+        loader = _loader(data_dir, 2, 2, rank)
+        it = iter(loader)
+        seen = [next(it) for _ in range(2 * k)]
+        states.append(loader.state_dict())
+        del it
+        if rank == 0:
+            seen0 = seen
+        else:
+            assert torch.equal(_step_rows([seen0, seen], 2, k - 1), ref[k - 1])
+    assert states[0] == states[1]  # every dp rank holds the same (global) position
+    state = states[0]
+    assert state["num_samples_yielded"] == state["dataset"]["num_samples_yielded"] == k * 8
+
+    def next_step(dp: int, micro: int, accum: int) -> torch.Tensor:
+        per_rank = []
+        for rank in range(dp):
+            loader = _loader(data_dir, dp, micro, rank)
+            loader.load_state_dict(copy.deepcopy(state))
+            it = iter(loader)
+            per_rank.append([next(it) for _ in range(accum)])
+        return _step_rows(per_rank, accum, 0)
+
+    assert torch.equal(next_step(1, 8, 1), ref[k])
+    assert torch.equal(next_step(4, 2, 1), ref[k])
+    assert torch.equal(next_step(1, 4, 2), ref[k])
+    # ... and the resumed loader keeps going: step k+1 too, and its own state counts on from k*8
+    loader = _loader(data_dir, 1, 8)
+    loader.load_state_dict(copy.deepcopy(state))
+    it = iter(loader)
+    assert torch.equal(next(it), ref[k]) and torch.equal(next(it), ref[k + 1])
+    assert loader.state_dict()["num_samples_yielded"] == (k + 2) * 8
+
+
+def test_resume_across_layouts_refuses_inexact(data_dir: Path) -> None:
+    loader = _loader(data_dir, 2, 2)
+    it = iter(loader)
+    next(it)  # one micro-step: 4 global samples, not a whole step of 8
+    state = loader.state_dict()
+    del it
+    with pytest.raises(ValueError, match="not a multiple of dp_size\\*micro_batch_size=8"):
+        _loader(data_dir, 1, 8).load_state_dict(copy.deepcopy(state))
+    # several workers: the order depends on (num_workers, dp*micro), so a layout change is refused
+    with pytest.raises(ValueError, match="num_workers <= 1"):
+        _loader(data_dir, 1, 4, num_workers=2).load_state_dict(copy.deepcopy(state))
+    # a state from the old rank-sharded pipeline (world_size = dp_size) is refused too
+    old = copy.deepcopy(state)
+    old["dataset"]["world_size"] = 2
+    with pytest.raises(ValueError, match="rank-sharded"):
+        _loader(data_dir, 2, 2).load_state_dict(old)
+
+
+class _TinyLM(L.LightningModule):
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 16)
+        self.head = nn.Linear(16, vocab)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen.append(batch.clone())
+        x, y = batch[:, :-1], batch[:, 1:]
+        logits = self.head(self.emb(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _fit(data_dir: Path, max_steps: int, root: Path, ckpt_path: str | None = None, every: int | None = None) -> list:
+    dm = make_dm(data_dir)
+    model = _TinyLM(1024)
+    callbacks = []
+    if every:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=bool(every), callbacks=callbacks, default_root_dir=root,
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+    return model.seen
+
+
+def test_lightning_checkpoint_resume(data_dir: Path, tmp_path: Path) -> None:
+    full = _fit(data_dir, 6, tmp_path / "full")
+    first = _fit(data_dir, 3, tmp_path / "a", every=3)
+    ckpts = sorted((tmp_path / "a").glob("*.ckpt"))
+    assert ckpts, "ModelCheckpoint wrote nothing"
+    loader_state = torch.load(ckpts[-1], weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert loader_state[0]["dataset"]["num_samples_yielded"] == 3 * 4  # 3 steps x micro batch 4
+    resumed = _fit(data_dir, 6, tmp_path / "b", ckpt_path=str(ckpts[-1]))
+    assert len(first) == 3 and len(resumed) == 3
+    for got, want in zip(first + resumed, full):
+        assert torch.equal(got, want)
+
+
+# ---- caching --------------------------------------------------------------------------
+def test_token_cache_reused(data_dir: Path) -> None:
+    dm = make_dm(data_dir)
+    dm.prepare_data()
+    assert not dm.last_prepare_built
+    index = dm.cache_path / "index.json"  # type: ignore[operator]
+    mtime = index.stat().st_mtime_ns
+    dm2 = make_dm(data_dir)
+    dm2.prepare_data()
+    assert not dm2.last_prepare_built and index.stat().st_mtime_ns == mtime
+    # setup() on a fresh module (other ranks) finds the cache and the trained tokenizer
+    dm3 = make_dm(data_dir)
+    dm3.setup("fit")
+    assert dm3.cache_path == dm.cache_path and dm3.tokenizer.vocab_size == dm.tokenizer.vocab_size
+    assert not list((data_dir / "tokens").glob("*.tmp-*")), "temp build dirs must not be left behind"
+
+
+def _write_text_corpus(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "a.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 200)
+    with (root / "b.jsonl").open("w") as f:
+        for i in range(100):
+            f.write(json.dumps({"text": f"Document {i}: lorem ipsum dolor sit amet {i * i}.", "id": i}) + "\n")
+        f.write("\n")
+    (root / "ignored.md").write_text("# not a corpus file")
+    return root
+
+
+def test_text_corpus_and_rebuild_on_change(tmp_path: Path) -> None:
+    root = _write_text_corpus(tmp_path / "corpus")
+    corpus = text_corpus(root)
+    assert [p.name for p in corpus.files] == ["a.txt", "b.jsonl"]
+    docs = list(corpus.iter_texts())
+    assert len(docs) == 1 + 100 and docs[1].startswith("Document 0:")
+
+    kw = dict(corpus="text", path=str(root), seq_len=16, global_batch_size=2, data_dir=str(tmp_path / "cache"),
+              tokenizer={"kind": "bpe", "vocab_size": 300}, max_bytes=None)
+    dm = PretrainDataModule(**kw)
+    dm.prepare_data()
+    assert dm.last_prepare_built
+    (b,) = batches(dm, 1)
+    assert b.shape == (2, 17)
+    text = dm.tokenizer.decode(torch.cat(batches(PretrainDataModule(**kw, shuffle=False))).flatten().tolist())
+    assert "Document 7: lorem ipsum" in text and EOS_TOKEN in text
+
+    old = dm.cache_path
+    dm = PretrainDataModule(**kw)
+    dm.prepare_data()
+    assert not dm.last_prepare_built
+    with (root / "b.jsonl").open("a") as f:
+        f.write(json.dumps({"text": "a brand new document"}) + "\n")
+    dm = PretrainDataModule(**kw)
+    dm.prepare_data()
+    assert dm.last_prepare_built and dm.cache_path != old
+
+
+def test_bpe_tokenizer_cache(tmp_path: Path) -> None:
+    files = [_write_text_corpus(tmp_path / "c") / "a.txt"]
+    tok = train_bpe_tokenizer(files, 300, tmp_path / "tok")
+    mtime = tok.path.stat().st_mtime_ns
+    again = train_bpe_tokenizer(files, 300, tmp_path / "tok")
+    assert again.path == tok.path and again.path.stat().st_mtime_ns == mtime
+    assert train_bpe_tokenizer(files, 320, tmp_path / "tok").path != tok.path  # vocab is part of the key
+    with pytest.raises(FileNotFoundError, match="prepare_data"):
+        train_bpe_tokenizer(files, 512, tmp_path / "tok", allow_train=False)  # non-zero ranks never train
+    files[0].write_text("changed content\n" * 50)
+    assert train_bpe_tokenizer(files, 300, tmp_path / "tok").path != tok.path  # inputs are part of the key
+    # round trip + protocol + special ids
+    assert isinstance(tok, Tokenizer)
+    s = "The quick brown fox ünïcode\n"
+    assert tok.decode(tok.encode(s)) == s
+    assert tok.decode([tok.eos_id]) == EOS_TOKEN and tok.bos_id is not None
+    # a saved tokenizer.json loads through the "hf" path, as a Llama 3.1 one would
+    hf = build_tokenizer("hf", str(tok.path), 0, None, tmp_path)
+    assert isinstance(hf, HFTokenizer) and hf.encode(s) == tok.encode(s)
+
+
+def test_hf_tokenizer_datamodule(data_dir: Path, tmp_path: Path) -> None:
+    bpe = make_dm(data_dir).tokenizer
+    dm = make_dm(tmp_path, tokenizer={"kind": "hf", "path": str(bpe.path)})  # type: ignore[attr-defined]
+    assert dm.vocab_size == bpe.vocab_size
+    dm_obj = make_dm(tmp_path, tokenizer=bpe)  # a ready Tokenizer object is accepted too
+    assert dm_obj.tokenizer is bpe
+
+
+# ---- bad input ------------------------------------------------------------------------
+def test_bad_inputs(tmp_path: Path, data_dir: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"data\.path=DIR") as e:
+        PretrainDataModule(corpus="text", path=str(tmp_path / "nope"), data_dir=str(tmp_path))
+    assert str(tmp_path / "nope") in str(e.value)
+    with pytest.raises(ValueError, match=r"data\.path=DIR"):
+        PretrainDataModule(corpus="text", path=None, data_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"data\.tokenizer\.path=.*tokenizer\.json") as e:
+        make_dm(tmp_path, tokenizer={"kind": "hf", "path": str(tmp_path / "missing.json")})
+    assert "missing.json" in str(e.value)
+    with pytest.raises(ValueError, match="hf, bpe"):
+        make_dm(tmp_path, tokenizer={"kind": "sentencepiece"})
+    with pytest.raises(ValueError, match=r"data\.seq_len"):
+        make_dm(tmp_path, seq_len=0)
+    with pytest.raises(ValueError, match=r"4096.*1000.*data\.tokenizer\.vocab_size"):
+        make_dm(tmp_path, tokenizer={"kind": "bpe", "vocab_size": 4096}, model_vocab_size=1000)
+    bpe_path = make_dm(data_dir).tokenizer.path  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"model vocab size 100"):
+        make_dm(tmp_path, tokenizer={"kind": "hf", "path": str(bpe_path)}, model_vocab_size=100)
+    with pytest.raises(ValueError, match="data.corpus"):
+        load_corpus("wiki")
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    dm = PretrainDataModule(corpus="text", path=str(empty), data_dir=str(tmp_path / "c"), seq_len=8,
+                            global_batch_size=1)
+    with pytest.raises(ValueError, match=r"No documents.*data\.path=DIR"):
+        dm.prepare_data()
+    (empty / "a.txt").write_text("")
+    (empty / "b.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    with pytest.raises(ValueError, match=r"empty.*data\.path=DIR"):
+        text_corpus(empty)
+    assert not (tmp_path / "c" / "tokens").exists()  # failed before any expensive work
+
+
+def test_atomic_build_leaves_no_partial_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = _write_text_corpus(tmp_path / "corpus")
+    kw = dict(corpus="text", path=str(root), seq_len=16, global_batch_size=2, data_dir=str(tmp_path / "cache"),
+              tokenizer={"kind": "bpe", "vocab_size": 300}, max_bytes=None)
+
+    import lit_titan.data.datamodule as dmod
+
+    def crash(**kwargs: Any) -> None:
+        Path(kwargs["output_dir"]).mkdir(parents=True)
+        (Path(kwargs["output_dir"]) / "chunk-0-0.bin").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dmod, "optimize", crash)
+    with pytest.raises(KeyboardInterrupt):
+        PretrainDataModule(**kw).prepare_data()
+    assert not [p for p in (tmp_path / "cache" / "tokens").iterdir()]
+    monkeypatch.undo()
+    dm = PretrainDataModule(**kw)
+    dm.prepare_data()
+    assert dm.last_prepare_built and len(batches(dm, 1)) == 1
+
+
+def test_resume_uses_dp_coords_not_global_world(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Global world 4 / dp 2, 2 workers: resume must not mistake the world size for a topology change."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("GLOBAL_RANK", "3")
+
+    def dm_on_rank3() -> PretrainDataModule:
+        dm = make_dm(data_dir, global_batch_size=4, micro_batch_size=2, num_workers=2)
+        dm.trainer = _fake_trainer(3, 4, (1, 2))
+        dm.setup("fit")
+        return dm
+
+    reference = batches(dm_on_rank3(), 4)
+    loader = dm_on_rank3().train_dataloader()
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    assert state["dataset"]["world_size"] == 1  # litdata sees one global stream, not the world of 4
+    loader2 = dm_on_rank3().train_dataloader()
+    loader2.load_state_dict(state)
+    assert torch.equal(next(iter(loader2)), reference[3])
