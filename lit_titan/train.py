@@ -66,6 +66,19 @@ def build_strategy(cfg: DictConfig):
                          loss_parallel=p.loss_parallel)
 
 
+def check_resume(path: str | None) -> None:
+    """Refuse a missing or incomplete checkpoint before any process or model is built."""
+    if not path:
+        return
+    ckpt = Path(path).expanduser()
+    if not ckpt.exists():
+        raise FileNotFoundError(f"resume={path} does not exist; point resume= at a checkpoint directory such as "
+                                f"<run_dir>/checkpoints/last.ckpt")
+    if ckpt.is_dir() and not (ckpt / ".metadata").is_file():
+        raise FileNotFoundError(f"resume={path} is not a complete sharded checkpoint (no .metadata: the save was "
+                                f"interrupted?); choose an earlier checkpoint in {ckpt.parent}")
+
+
 def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
     """hydra.utils.instantiate, re-raising the target's own error (it names the fix) unwrapped."""
     from hydra.errors import InstantiationException
@@ -88,6 +101,7 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     from lit_titan.module import PretrainModule
 
     args, dims = validate(cfg)
+    check_resume(cfg.resume)
     run_dir = resolve_run_dir(cfg)
     OmegaConf.update(cfg, "run_dir", str(run_dir))
     if is_launcher_rank_zero():
@@ -106,7 +120,9 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     all_callbacks = [summary, *(callbacks or [])]
     if cfg.checkpoint.enabled:
         every = int(cfg.checkpoint.every_n_steps) or None
+        # No '=' in the names: they are passed back as `resume=PATH`, and Hydra's grammar splits on '='.
         all_callbacks.append(ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=every,
+                                             filename="step-{step:06d}", auto_insert_metric_name=False,
                                              save_last=True, save_top_k=0 if every is None else -1))
     t = cfg.trainer
     trainer = L.Trainer(

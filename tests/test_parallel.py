@@ -53,3 +53,24 @@ def test_bf16_mixed_stays_close_to_fp32(reference, tmp_path):
     got, ref = losses(tmp_path), losses(reference)
     assert_losses_match(got, ref, rtol=2e-2)
     assert got != ref  # bf16 really ran (identical numbers would mean fp32 was used)
+
+
+def test_accumulation_reduce_scatters_once_per_step(tmp_path):
+    """Gradient accumulation must not reduce-scatter on non-final micro-batches."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "count_reduce_scatter.py"
+    counts = {}
+    for micro in (4, 1):  # accumulation 1 and 4 on dp2
+        out = tmp_path / f"micro{micro}.json"
+        proc = subprocess.run([sys.executable, str(script), "2", str(micro), str(out)], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        counts[micro] = json.loads(out.read_text())
+    assert counts[4]["steps"] == counts[1]["steps"] == 2
+    assert counts[4]["reduce_scatters"] > 0
+    # Four micro-batches per step, yet exactly as many reduce-scatters as with one.
+    assert counts[1]["reduce_scatters"] == counts[4]["reduce_scatters"], counts
