@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.models.llama3 import ModelArgs, get_flavor
 from lit_titan.strategies.parallel_dims import ParallelDims
+from lit_titan.strategies.pipeline import PipelineConfig
 
 LOGGERS = ("csv", "tensorboard", "wandb")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -83,7 +84,18 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=seq_len,
                   global_batch_size=int(cfg.data.global_batch_size),
                   micro_batch_size=cfg.data.micro_batch_size)
+    if dims.pp > 1:
+        micro = int(cfg.data.micro_batch_size or int(cfg.data.global_batch_size) // dims.dp)
+        pipeline_config(cfg).validate(pp=dims.pp, n_units=args.n_layers + 2, local_batch=micro)
     return args, dims
+
+
+def pipeline_config(cfg: DictConfig) -> PipelineConfig:
+    p = cfg.parallel
+    stages = p.get("pp_stages")
+    return PipelineConfig(schedule=p.pp_schedule, microbatches=p.pp_microbatches,
+                          stages_per_rank=p.get("pp_stages_per_rank"),
+                          stages=tuple(tuple(s) for s in stages) if stages else None)
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -85,19 +85,32 @@ class PretrainModule(L.LightningModule):
     def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
         return self.model(tokens, positions)
 
+    def split_batch(self, batch: Tensor) -> tuple[Tensor, Tensor]:
+        """[b, seq_len + 1] token blocks -> (inputs, next-token labels)."""
+        return batch[:, :-1], batch[:, 1:]
+
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        inputs, labels = batch[:, :-1], batch[:, 1:]
+        # Under pipeline parallelism the strategy runs the schedule instead of this method, with
+        # the same split_batch / compute_loss / record_train_loss.
+        inputs, labels = self.split_batch(batch)
         loss = self.compute_loss(self(inputs), labels)
-        self._step_loss = self._step_loss.to(loss.device) + _plain(loss.detach()).float()
-        self._micro_batches += 1
-        self._tokens_per_step_accumulate(inputs)
+        self.record_train_loss(loss, inputs)
         return loss
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        inputs, labels = batch[:, :-1], batch[:, 1:]
+        inputs, labels = self.split_batch(batch)
         loss = self.compute_loss(self(inputs), labels)
-        self.log("val/loss", _plain(loss.detach()), sync_dist=True, prog_bar=True)
+        self.record_val_loss(loss)
         return loss
+
+    def record_train_loss(self, loss: Tensor, inputs: Tensor) -> None:
+        """Accumulate a micro-batch's loss; logged once per optimizer step."""
+        self._step_loss = self._step_loss.to(loss.device) + _plain(loss.detach()).float()
+        self._micro_batches += 1
+        self._tokens_per_step_accumulate(inputs)
+
+    def record_val_loss(self, loss: Tensor) -> None:
+        self.log("val/loss", _plain(loss.detach()), sync_dist=True, prog_bar=True)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log once per optimizer step (not per micro-batch): the step's mean loss, lr, grad norm."""
@@ -113,6 +126,14 @@ class PretrainModule(L.LightningModule):
                  on_step=True, on_epoch=False)
         self._step_loss = torch.zeros((), device=step_loss.device)
         self._micro_batches = 0
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        # Lightning zeroes gradients between training_step and backward; under pipeline
+        # parallelism the schedule runs backward inside training_step, so the strategy zeroes
+        # them itself before the schedule, at the start of each accumulation window.
+        if getattr(self.trainer.strategy, "backward_in_training_step", False):
+            return
+        optimizer.zero_grad()
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val=None,
                                     gradient_clip_algorithm=None) -> None:

@@ -63,7 +63,8 @@ def build_strategy(cfg: DictConfig):
     p = cfg.parallel
     return TitanStrategy(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                          reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload,
-                         loss_parallel=p.loss_parallel)
+                         loss_parallel=p.loss_parallel, pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
+                         pp_stages_per_rank=p.get("pp_stages_per_rank"), pp_stages=p.get("pp_stages"))
 
 
 def check_resume(path: str | None) -> None:

@@ -22,8 +22,10 @@ class ParallelPlan:
     blocks: Callable[[nn.Module], Iterable[nn.Module]]
     # FSDP units in forward order (a list groups modules into one all-gather)
     fsdp_units: Callable[[nn.Module], list]
-    # attribute path of the block container, for replacing wrapped blocks in place
-    block_container: str = "layers"
+    # pipeline units in forward order, each a list of module names (embedding and head count as units)
+    pipeline_units: Callable[[nn.Module], list[list[str]]] | None = None
+    # TP styles for the root of a pipeline stage that lacks the first/last parts (stage boundaries)
+    tp_stage_io: Callable[[nn.Module], list] | None = None
 
 
 _REGISTRY: dict[type, ParallelPlan] = {}

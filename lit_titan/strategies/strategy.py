@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +28,14 @@ from torch import Tensor, nn
 
 from lit_titan.strategies.fsdp import FSDPConfig, apply_fsdp, mixed_precision_for
 from lit_titan.strategies.parallel_dims import ParallelDims
+from lit_titan.strategies.pipeline import (
+    PipelineConfig,
+    PipelineRunner,
+    build_rank_model,
+    share_root_buffers,
+    split_units,
+    stage_ids,
+)
 from lit_titan.strategies.plan import ParallelPlan, plan_for
 from lit_titan.strategies.tensor_parallel import apply_tensor_parallel
 
@@ -52,6 +61,10 @@ class TitanStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         loss_parallel: bool = True,
+        pp_schedule: str = "1F1B",
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int | None = None,
+        pp_stages: list[list[str]] | None = None,
         plan: ParallelPlan | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -64,6 +77,14 @@ class TitanStrategy(ModelParallelStrategy):
         self._plan = plan
         self.fsdp_config = FSDPConfig(reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
         self.loss_parallel = loss_parallel
+        self.pipeline_config = PipelineConfig(
+            schedule=pp_schedule, microbatches=pp_microbatches, stages_per_rank=pp_stages_per_rank,
+            stages=tuple(tuple(s) for s in pp_stages) if pp_stages else None,
+        )
+        if pp > 1:
+            self.pipeline_config.validate()
+        self.pipeline: PipelineRunner | None = None
+        self._views: list[nn.Module] = []
         self.parallel_dims: ParallelDims | None = None
         self._transforms: dict[str, list[Transform]] = {slot: [] for slot in TRANSFORM_SLOTS}
         self._fsdp_applied = False
@@ -136,8 +157,13 @@ class TitanStrategy(ModelParallelStrategy):
                             f" (see lit_titan.PretrainModule)")
         precision = self.precision_plugin.precision
         mixed_precision_for(precision)  # refuse unsupported flags before any work
-        self.parallelize(model, precision)
+        model, self._views = self.parallelize(model, precision)
+        module.model = model  # under PP: this rank's stages only, original parameter names
         self.materialize(model, seed=getattr(module, "seed", 0))
+        if self.parallel_dims.pp > 1:
+            share_root_buffers(model, self._views)
+            self.pipeline = PipelineRunner(self._views, self._stage_ids, self._num_stages, self.pipeline_config,
+                                           self.device_mesh["pp"].get_group(), self.root_device)
         if self._fsdp_applied and precision == "bf16-mixed":
             # FSDP's MixedPrecisionPolicy already computes in bf16 with fp32 master weights and
             # reductions; Lightning's autocast on top would only add casts.
@@ -150,21 +176,45 @@ class TitanStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def parallelize(self, model: nn.Module, precision: str) -> None:
-        """Apply every parallelism in the documented order (docs/architecture.md)."""
+    def parallelize(self, model: nn.Module, precision: str) -> tuple[nn.Module, list[nn.Module]]:
+        """Apply every parallelism in the documented order (docs/architecture.md).
+
+        Returns the model this rank trains (under PP: the union of its stages) and the modules the
+        rest of the plan was applied to (one per pipeline stage; else the model itself).
+        """
         dims, mesh, plan = self.parallel_dims, self.device_mesh, self.plan_for(model)
         self._run_transforms("convert", model, plan)
-        if dims.tp > 1:
-            apply_tensor_parallel(model, mesh["tp"], plan, self.loss_parallel)
-        self._run_transforms("activation_checkpointing", model, plan)
-        self._run_transforms("compile", model, plan)
+        views = [model]
+        fsdp_config = self.fsdp_config
+        if dims.pp > 1:
+            model, views = self._split_pipeline(model, plan)
+            # Pipeline stages run several micro-batches between forward and backward; resharding
+            # after forward gave wrong gradients with zero-bubble schedules (shared/design.md).
+            fsdp_config = replace(fsdp_config, reshard_after_forward=False)
         param_dtype, _ = mixed_precision_for(precision)
-        if dims.dp_replicate * dims.fsdp_size > 1 or param_dtype is not None:
-            # HSDP needs the 2-D (replicate, shard) mesh, only reachable by slicing the root mesh.
-            fsdp_mesh = (mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1
-                         else self.mesh_views["dp_shard_cp"])
-            apply_fsdp(plan.fsdp_units(model), model, fsdp_mesh, precision, self.fsdp_config)
-            self._fsdp_applied = True
+        for view in views:
+            if dims.tp > 1:
+                apply_tensor_parallel(view, mesh["tp"], plan, self.loss_parallel)
+            self._run_transforms("activation_checkpointing", view, plan)
+            self._run_transforms("compile", view, plan)
+            if dims.dp_replicate * dims.fsdp_size > 1 or param_dtype is not None:
+                # HSDP needs the 2-D (replicate, shard) mesh, only reachable by slicing the root mesh.
+                fsdp_mesh = (mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1
+                             else self.mesh_views["dp_shard_cp"])
+                apply_fsdp(plan.fsdp_units(view), view, fsdp_mesh, precision, fsdp_config)
+                self._fsdp_applied = True
+        return model, views
+
+    def _split_pipeline(self, model: nn.Module, plan: ParallelPlan) -> tuple[nn.Module, list[nn.Module]]:
+        if plan.pipeline_units is None:
+            raise TypeError(f"the ParallelPlan of {type(model).__name__} defines no pipeline_units; "
+                            f"pipeline parallelism (parallel.pp > 1) needs them")
+        cfg, dims = self.pipeline_config, self.parallel_dims
+        self._num_stages = dims.pp * cfg.per_rank
+        units = plan.pipeline_units(model)
+        names = split_units(units, self._num_stages, cfg.stages)
+        self._stage_ids = stage_ids(self.device_mesh["pp"].get_local_rank(), dims.pp, cfg)
+        return build_rank_model(model, units, [names[i] for i in self._stage_ids])
 
     def materialize(self, model: nn.Module, seed: int) -> None:
         """meta -> real storage, then the model's seeded, layout-independent init."""
@@ -193,7 +243,8 @@ class TitanStrategy(ModelParallelStrategy):
         """Skip FSDP's reduce-scatter on non-final micro-batches of gradient accumulation."""
         from torch.distributed.fsdp import FSDPModule
 
-        fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model else []
+        roots = [self.model, *self._views] if self.model is not None else []
+        fsdp_modules = list({id(m): m for r in roots for m in r.modules() if isinstance(m, FSDPModule)}.values())
         for m in fsdp_modules:
             m.set_requires_gradient_sync(False, recurse=False)
         try:
@@ -201,6 +252,11 @@ class TitanStrategy(ModelParallelStrategy):
         finally:
             for m in fsdp_modules:
                 m.set_requires_gradient_sync(True, recurse=False)
+
+    @property
+    def backward_in_training_step(self) -> bool:
+        """True under PP: the schedule runs backward (and this strategy zeroes gradients)."""
+        return self.pipeline is not None
 
     def _loss_context(self):
         if self.parallel_dims is not None and self.parallel_dims.tp > 1 and self.loss_parallel:
@@ -211,13 +267,32 @@ class TitanStrategy(ModelParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
-            return super().training_step(*args, **kwargs)
+            if self.pipeline is None:
+                return super().training_step(*args, **kwargs)
+            # The schedule owns forward and backward; the module still defines batch and loss.
+            module = self.lightning_module
+            accumulation = module.trainer.accumulate_grad_batches
+            if args[1] % accumulation == 0:  # first micro-batch of an optimizer step
+                for optimizer in self.optimizers:
+                    optimizer.zero_grad()
+            inputs, labels = module.split_batch(args[0])
+            loss = self.pipeline.train_step(inputs, labels, module.compute_loss, accumulation=accumulation)
+            module.record_train_loss(loss, inputs)
+            return loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
-            return super().validation_step(*args, **kwargs)
+            if self.pipeline is None:
+                return super().validation_step(*args, **kwargs)
+            module = self.lightning_module
+            inputs, labels = module.split_batch(args[0])
+            loss = self.pipeline.eval_step(inputs, labels, module.compute_loss)
+            module.record_val_loss(loss)
+            return loss
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipeline is not None:
+            return closure_loss  # the pipeline schedule already ran backward in training_step
         # Lightning calls backward outside training_step; loss parallel must span both.
         with self._loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)

@@ -13,3 +13,5 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: ParallelPlan, loss_pa
     parallelize_module(model, tp_mesh, plan.tp_root(model, loss_parallel))
     for block in plan.blocks(model):
         parallelize_module(block, tp_mesh, plan.tp_block(block))
+    for style in plan.tp_stage_io(model) if plan.tp_stage_io else ():
+        parallelize_module(model, tp_mesh, style)

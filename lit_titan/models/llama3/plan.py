@@ -72,5 +72,25 @@ def fsdp_units(model: nn.Module) -> list:
     return units
 
 
-LLAMA3_PLAN = ParallelPlan(tp_root=tp_root, tp_block=tp_block, blocks=blocks, fsdp_units=fsdp_units)
+def pipeline_units(model: nn.Module) -> list[list[str]]:
+    return [["tok_embeddings"], *[[f"layers.{k}"] for k in model.layers], ["norm", "output"]]
+
+
+def tp_stage_io(model: nn.Module) -> list:
+    """Pipeline stages exchange plain tensors: the residual stream's local Shard(1) piece."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput
+
+    styles = []
+    if model.tok_embeddings is None:  # receives hidden states: make them the Shard(1) DTensor again
+        styles.append(PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                         use_local_output=False))
+    if model.output is None:  # sends hidden states: the local piece
+        styles.append(PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),),
+                                          use_local_output=True))
+    return styles
+
+
+LLAMA3_PLAN = ParallelPlan(tp_root=tp_root, tp_block=tp_block, blocks=blocks, fsdp_units=fsdp_units,
+                           pipeline_units=pipeline_units, tp_stage_io=tp_stage_io)
 register_plan(Transformer, LLAMA3_PLAN)
