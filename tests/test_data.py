@@ -20,9 +20,11 @@ from lit_titan.data import (
     Tokenizer,
     build_tokenizer,
     load_corpus,
+    split_corpus,
     text_corpus,
     train_bpe_tokenizer,
 )
+from lit_titan.data.corpus import val_hash
 
 SMALL = 300_000
 TOK = {"kind": "bpe", "vocab_size": 1024}
@@ -302,6 +304,7 @@ def test_token_cache_reused(data_dir: Path) -> None:
     dm3 = make_dm(data_dir)
     dm3.setup("fit")
     assert dm3.cache_path == dm.cache_path and dm3.tokenizer.vocab_size == dm.tokenizer.vocab_size
+    assert dm3.val_cache_path == dm.val_cache_path and (dm.val_cache_path / "index.json").is_file()  # type: ignore[operator]
     assert not list((data_dir / "tokens").glob("*.tmp-*")), "temp build dirs must not be left behind"
 
 
@@ -324,7 +327,7 @@ def test_text_corpus_and_rebuild_on_change(tmp_path: Path) -> None:
     assert len(docs) == 1 + 100 and docs[1].startswith("Document 0:")
 
     kw = dict(corpus="text", path=str(root), seq_len=16, global_batch_size=2, data_dir=str(tmp_path / "cache"),
-              tokenizer={"kind": "bpe", "vocab_size": 300}, max_bytes=None)
+              tokenizer={"kind": "bpe", "vocab_size": 300}, max_bytes=None, val_fraction=0.0)
     dm = PretrainDataModule(**kw)
     dm.prepare_data()
     assert dm.last_prepare_built
@@ -394,6 +397,9 @@ def test_bad_inputs(tmp_path: Path, data_dir: Path) -> None:
         make_dm(tmp_path, tokenizer={"kind": "hf", "path": str(bpe_path)}, model_vocab_size=100)
     with pytest.raises(ValueError, match="data.corpus"):
         load_corpus("wiki")
+    for bad in (-0.1, 1.0, 2):
+        with pytest.raises(ValueError, match=r"data\.val_fraction"):
+            make_dm(tmp_path, val_fraction=bad)
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -451,3 +457,118 @@ def test_resume_uses_dp_coords_not_global_world(data_dir: Path, monkeypatch: pyt
     loader2 = dm_on_rank3().train_dataloader()
     loader2.load_state_dict(state)
     assert torch.equal(next(iter(loader2)), reference[3])
+
+
+# ---- validation split -----------------------------------------------------------------
+def val_batches(dm: PretrainDataModule) -> list[torch.Tensor]:
+    dm.setup("fit")
+    loader = dm.val_dataloader()
+    return [b for b in loader]
+
+
+def _many_files(root: Path, n: int = 40) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        sub = root / f"d{i % 3}"
+        sub.mkdir(exist_ok=True)
+        (sub / f"doc{i:02d}.txt").write_text(f"document {i} " * 20)
+    return root
+
+
+def test_val_split_by_file_disjoint_deterministic(data_dir: Path, tmp_path: Path) -> None:
+    corpus = text_corpus(_many_files(tmp_path / "c1"))
+    train, val = split_corpus(corpus, 0.25)
+    assert val is not None and train.files and val.files
+    assert set(train.files).isdisjoint(val.files) and set(train.files) | set(val.files) == set(corpus.files)
+    assert list(train.files) == sorted(train.files, key=corpus.files.index)  # order kept
+    rel = lambda c: [f.relative_to(c.root).as_posix() for f in c.files]  # noqa: E731
+    assert all(val_hash(r) < 0.25 for r in rel(val)) and all(val_hash(r) >= 0.25 for r in rel(train))
+    assert split_corpus(corpus, 0.25) == (train, val)  # deterministic
+    # the split depends on the path relative to the corpus root only, not where the corpus lives
+    moved = text_corpus(_many_files(tmp_path / "elsewhere" / "c2"))
+    assert rel(split_corpus(moved, 0.25)[1]) == rel(val)  # type: ignore[arg-type]
+    # fallbacks: nothing picked -> the last file; at least one training file; one file -> no val
+    two = text_corpus(_write_text_corpus(tmp_path / "two"))
+    t2, v2 = split_corpus(two, 1e-9)
+    assert [p.name for p in t2.files] == ["a.txt"] and [p.name for p in v2.files] == ["b.jsonl"]  # type: ignore[union-attr]
+    t_all, v_all = split_corpus(corpus, 0.999999)
+    assert len(t_all.files) == 1 and len(v_all.files) == len(corpus.files) - 1  # type: ignore[union-attr]
+    assert split_corpus(text_corpus(tmp_path / "two" / "a.txt"), 0.5)[1] is None
+    # the datamodule trains on the train files only, and caches each split under its own key
+    dm = make_dm(data_dir)
+    dm.prepare_data()
+    assert dm.val_corpus is not None and set(dm.train_corpus.files).isdisjoint(dm.val_corpus.files)
+    assert set(dm.train_corpus.files) | set(dm.val_corpus.files) == set(dm.corpus.files)
+    assert dm.val_cache_path is not None and dm.val_cache_path != dm.cache_path
+    assert make_dm(data_dir, val_fraction=0.5)._cache_path("train") != dm.cache_path
+
+
+def test_val_batches_deterministic_and_seed_independent(data_dir: Path) -> None:
+    a = val_batches(make_dm(data_dir, seed=1))
+    b = val_batches(make_dm(data_dir, seed=2, shuffle=True))
+    assert len(a) >= 4 and all(x.shape == (4, SEQ + 1) and x.dtype == torch.long for x in a)
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    dm = make_dm(data_dir, seed=1)
+    dm.setup("fit")
+    loader = dm.val_dataloader()
+    first = [x for x in loader]
+    again = [x for x, _ in zip(loader, range(2))]  # a new evaluation restarts from the first batch
+    assert all(torch.equal(x, y) for x, y in zip(first, a)) and torch.equal(again[0], a[0])
+    # held out: no val row occurs in training
+    train_rows = {tuple(r.tolist()) for t in batches(make_dm(data_dir, shuffle=False)) for r in t}
+    assert not train_rows & {tuple(r.tolist()) for x in a for r in x}
+
+
+def test_val_dp_slicing_matches_single_rank(data_dir: Path) -> None:
+    ref = val_batches(make_dm(data_dir, global_batch_size=4, micro_batch_size=4))
+    per_rank = [
+        val_batches(make_dm(data_dir, global_batch_size=4, micro_batch_size=2, dp_rank=r, dp_size=2, seed=r))
+        for r in range(2)
+    ]
+    assert len(per_rank[0]) == len(per_rank[1]) == len(ref) > 0
+    for k, want in enumerate(ref):
+        assert torch.equal(torch.cat([per_rank[0][k], per_rank[1][k]]), want)
+    # per-rank mean losses, dp-averaged, equal the single-process loss
+    loss = lambda b: b.float().mean(dim=1)  # noqa: E731  (a per-row "loss")
+    assert torch.allclose((loss(per_rank[0][0]).mean() + loss(per_rank[1][0]).mean()) / 2, loss(ref[0]).mean())
+
+
+def test_val_fraction_zero_disables_validation(data_dir: Path) -> None:
+    dm = make_dm(data_dir, val_fraction=0)
+    dm.setup("fit")
+    assert dm.val_corpus is None and dm.train_corpus == dm.corpus and dm.val_dataset is None
+    assert dm.val_dataloader() == [] and dm.val_cache_path is None
+    assert dm.cache_path != make_dm(data_dir)._cache_path("train")  # train set differs -> other cache
+
+
+class _TinyValLM(_TinyLM):
+    def __init__(self, vocab: int) -> None:
+        super().__init__(vocab)
+        self.val_seen: list[torch.Tensor] = []
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.val_seen.append(batch.clone())
+        x, y = batch[:, :-1], batch[:, 1:]
+        loss = nn.functional.cross_entropy(self.head(self.emb(x)).flatten(0, 1), y.flatten())
+        self.log("val/loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("val_fraction", [0.02, 0.0])
+def test_lightning_runs_val_loop(data_dir: Path, tmp_path: Path, val_fraction: float) -> None:
+    model = _TinyValLM(1024)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, limit_val_batches=2, val_check_interval=2,
+        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=make_dm(data_dir, val_fraction=val_fraction))
+    assert len(model.seen) == 4
+    if val_fraction == 0:
+        assert model.val_seen == [] and "val/loss" not in trainer.callback_metrics
+        return
+    ref = val_batches(make_dm(data_dir))[:2]
+    assert len(model.val_seen) == 4  # 2 validation runs (after steps 2 and 4) x limit_val_batches=2
+    for got, want in zip(model.val_seen, ref + ref):
+        assert torch.equal(got, want)
+    assert torch.isfinite(trainer.callback_metrics["val/loss"])

@@ -1,6 +1,6 @@
 """Data pipeline: corpora, tokenizers and the pre-training ``LightningDataModule``."""
 
-from lit_titan.data.corpus import Corpus, load_corpus, stdlib_corpus, text_corpus
+from lit_titan.data.corpus import Corpus, load_corpus, split_corpus, stdlib_corpus, text_corpus
 from lit_titan.data.datamodule import (
     DataParallelStreamingDataLoader,
     DataParallelStreamingDataset,
@@ -27,6 +27,7 @@ __all__ = [
     "build_token_cache",
     "build_tokenizer",
     "load_corpus",
+    "split_corpus",
     "stdlib_corpus",
     "text_corpus",
     "tokenizer_fingerprint",

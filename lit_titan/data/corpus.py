@@ -11,7 +11,7 @@ import json
 import os
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 CORPUS_KINDS = ("stdlib", "text")
@@ -46,6 +46,53 @@ class Corpus:
         """Yield non-empty documents in a fixed order."""
         for f in self.files:
             yield from read_documents(f)
+
+
+def _relative_key(corpus: Corpus, f: Path) -> str:
+    """``f``'s path relative to the corpus root (its name when the corpus is a single file)."""
+    try:
+        rel = f.relative_to(corpus.root).as_posix()
+    except ValueError:
+        rel = f.name
+    return f.name if rel in ("", ".") else rel
+
+
+def val_hash(rel_path: str) -> float:
+    """Stable position of a relative path in ``[0, 1)``: sha256, independent of machine and layout."""
+    return int.from_bytes(hashlib.sha256(rel_path.encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
+def split_corpus(corpus: Corpus, val_fraction: float) -> tuple[Corpus, Corpus | None]:
+    """Split ``corpus`` by document file into ``(train, val)``; ``val`` is ``None`` when empty.
+
+    A file goes to validation when :func:`val_hash` of its path relative to the corpus root is
+    below ``val_fraction``, so the split depends only on the file names (not on the machine,
+    the parallel layout, the seed or which other files exist); growing ``data.max_bytes`` keeps
+    earlier val files in val. If ``val_fraction > 0`` picks no file, the last file (sorted order)
+    is used, unless it is the only one. At least one file always stays in training: if every
+    file hashed into val, the one with the largest hash goes back to training.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}.")
+    files = corpus.files
+    if val_fraction == 0.0 or len(files) < 2:
+        return corpus, None
+    hashes = [val_hash(_relative_key(corpus, f)) for f in files]
+    is_val = [h < val_fraction for h in hashes]
+    if not any(is_val):
+        is_val[-1] = True  # deterministic fallback
+    if all(is_val):
+        is_val[max(range(len(files)), key=lambda i: (hashes[i], i))] = False
+    train = replace(corpus, files=tuple(f for f, v in zip(files, is_val) if not v))
+    val = replace(corpus, files=tuple(f for f, v in zip(files, is_val) if v))
+    if next(train.iter_texts(), None) is None:
+        raise ValueError(
+            f"data.val_fraction={val_fraction} leaves only empty documents for training in {corpus.root}; "
+            "lower data.val_fraction (0 disables validation) or add documents."
+        )
+    if next(val.iter_texts(), None) is None:  # only empty documents: nothing to validate on
+        return train, None
+    return train, val
 
 
 def read_documents(path: Path) -> Iterator[str]:

@@ -20,13 +20,14 @@ from typing import Any, Iterator
 from unittest import mock
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 import torch
 from litdata import StreamingDataLoader, StreamingDataset, optimize
 from litdata.streaming import dataloader as _litdata_dataloader
 from litdata.streaming.item_loader import TokensLoader
 from litdata.utilities.env import _DistributedEnv
 
-from lit_titan.data.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus, read_documents
+from lit_titan.data.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus, read_documents, split_corpus
 from lit_titan.data.tokenizers import (
     TOKENIZER_KINDS,
     HFTokenizer,
@@ -235,6 +236,10 @@ class PretrainDataModule(L.LightningDataModule):
     """Causal-LM pre-training batches: ``LongTensor[micro_batch_size, seq_len + 1]``.
 
     The LightningModule splits each batch into inputs ``[:, :-1]`` and labels ``[:, 1:]``.
+    ``val_fraction`` of the document files (chosen by a hash of their corpus-relative path, see
+    :func:`~lit_titan.data.corpus.split_corpus`) are held out of training and tokenized into a
+    second cache; :meth:`val_dataloader` streams them unshuffled with the same dp slicing, so a
+    dp-mean of the per-rank validation losses equals the single-process loss over the same rows.
     All ranks stream one global, layout-independent order; each data-parallel rank (see
     :meth:`data_parallel_coords`) keeps its rows of every global micro-step, so
     tensor/context/pipeline-parallel peers receive identical batches and optimizer step k holds
@@ -258,6 +263,7 @@ class PretrainDataModule(L.LightningDataModule):
         dp_rank: int | None = None,
         dp_size: int | None = None,
         chunk_tokens: int = 1 << 18,
+        val_fraction: float = 0.02,
     ) -> None:
         super().__init__()
         self.corpus_kind = corpus
@@ -273,6 +279,7 @@ class PretrainDataModule(L.LightningDataModule):
         self.model_vocab_size = model_vocab_size
         self._dp_override = (dp_rank, dp_size)
         self.chunk_tokens = chunk_tokens
+        self.val_fraction = val_fraction
         if isinstance(tokenizer, Mapping) or tokenizer is None:
             self._tok_cfg: dict[str, Any] = {**DEFAULT_TOKENIZER, **dict(tokenizer or {})}
             self._tokenizer: Tokenizer | None = None
@@ -280,10 +287,13 @@ class PretrainDataModule(L.LightningDataModule):
             self._tok_cfg = {}
             self._tokenizer = tokenizer
         self._corpus: Corpus | None = None
+        self._split: tuple[Corpus, Corpus | None] | None = None
         self.cache_path: Path | None = None
+        self.val_cache_path: Path | None = None
         self.last_prepare_built = False
         self.timings: dict[str, float] = {}
         self.train_dataset: DataParallelStreamingDataset | None = None
+        self.val_dataset: DataParallelStreamingDataset | None = None
         self._validate_static()
 
     # ---- validation (cheap; runs before any tokenization) ---------------------------
@@ -292,6 +302,12 @@ class PretrainDataModule(L.LightningDataModule):
             raise ValueError(f"data.seq_len must be >= 1, got {self.seq_len}.")
         if self.global_batch_size < 1:
             raise ValueError(f"data.global_batch_size must be >= 1, got {self.global_batch_size}.")
+        if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) or not (
+            0.0 <= self.val_fraction < 1.0
+        ):
+            raise ValueError(
+                f"data.val_fraction must be a number in [0, 1) (0 disables validation), got {self.val_fraction!r}."
+            )
         if self._micro_batch_size is not None and self._micro_batch_size < 1:
             raise ValueError(f"data.micro_batch_size must be >= 1 (or null), got {self._micro_batch_size}.")
         if self.corpus_kind == "text" and self.path is None:
@@ -361,6 +377,21 @@ class PretrainDataModule(L.LightningDataModule):
             self._corpus = load_corpus(self.corpus_kind, self.path, self.max_bytes)
         return self._corpus
 
+    def _splits(self) -> tuple[Corpus, Corpus | None]:
+        if self._split is None:
+            self._split = split_corpus(self.corpus, float(self.val_fraction))
+        return self._split
+
+    @property
+    def train_corpus(self) -> Corpus:
+        """The corpus minus the held-out validation files."""
+        return self._splits()[0]
+
+    @property
+    def val_corpus(self) -> Corpus | None:
+        """The held-out validation files; ``None`` if ``val_fraction == 0`` or the corpus has one file."""
+        return self._splits()[1]
+
     @property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer; for ``kind=bpe`` trained (or loaded from ``data_dir/tokenizers``) on first use."""
@@ -373,7 +404,7 @@ class PretrainDataModule(L.LightningDataModule):
                 kind=self._tok_cfg["kind"],
                 path=self._tok_cfg.get("path"),
                 vocab_size=int(self._tok_cfg["vocab_size"]),
-                corpus=self.corpus,
+                corpus=self.train_corpus,  # never sees the validation documents
                 cache_dir=self.data_dir / "tokenizers",
                 allow_train=allow_train,
             )
@@ -385,26 +416,34 @@ class PretrainDataModule(L.LightningDataModule):
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
-    def _cache_path(self) -> Path:
+    def _cache_path(self, split: str = "train") -> Path | None:
+        """Token cache of ``split`` ("train" / "val"), keyed by that split's files; ``None``: no such data."""
+        corpus = self.train_corpus if split == "train" else self.val_corpus
+        if corpus is None:
+            return None
         key = json.dumps(
-            [CACHE_FORMAT_VERSION, self.corpus.fingerprint, tokenizer_fingerprint(self.tokenizer), self.chunk_tokens]
+            [CACHE_FORMAT_VERSION, split, corpus.fingerprint, tokenizer_fingerprint(self.tokenizer), self.chunk_tokens]
         )
         return self.data_dir / "tokens" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
     # ---- Lightning hooks -------------------------------------------------------------
     def prepare_data(self) -> None:
-        """Build the token cache once (local rank 0 under Lightning); a no-op when it is current."""
+        """Build the train (and val) token caches once (local rank 0 under Lightning); a no-op when current."""
         self._check_batch_sizes(self.data_parallel_coords()[1])
-        path = self._cache_path()
-        self.cache_path = path
         self.last_prepare_built = False
-        if (path / "index.json").is_file():
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        build_token_cache(self.corpus, self.tokenizer, path, self.chunk_tokens)
-        self.timings["optimize_s"] = time.perf_counter() - start
-        self.last_prepare_built = True
+        self.cache_path = self._cache_path("train")
+        self.val_cache_path = self._cache_path("val")
+        for split, path, corpus in (
+            ("train", self.cache_path, self.train_corpus),
+            ("val", self.val_cache_path, self.val_corpus),
+        ):
+            if path is None or corpus is None or (path / "index.json").is_file():
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            start = time.perf_counter()
+            build_token_cache(corpus, self.tokenizer, path, self.chunk_tokens)
+            self.timings["optimize_s" if split == "train" else "optimize_val_s"] = time.perf_counter() - start
+            self.last_prepare_built = True
 
     def setup(self, stage: str | None = None) -> None:
         """Open the cache built by ``prepare_data``; never build it concurrently from several ranks."""
@@ -412,15 +451,32 @@ class PretrainDataModule(L.LightningDataModule):
         micro = self._check_batch_sizes(dp_size)
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self._resolve_tokenizer(allow_train=not distributed)
-        path = self._cache_path()
-        if not (path / "index.json").is_file():
+        path, val_path = self._cache_path("train"), self._cache_path("val")
+        assert path is not None
+        missing = [p for p in (path, val_path) if p is not None and not (p / "index.json").is_file()]
+        if missing:
             if distributed:
                 raise RuntimeError(
-                    f"Token cache {path} is missing on this rank: prepare_data() must run first (Lightning runs it "
-                    "on local rank 0); on multi-node without a shared data.data_dir set prepare_data_per_node."
+                    f"Token cache {missing[0]} is missing on this rank: prepare_data() must run first (Lightning runs "
+                    "it on local rank 0); on multi-node without a shared data.data_dir set prepare_data_per_node."
                 )
             self.prepare_data()
-        self.cache_path = path
+        self.cache_path, self.val_cache_path = path, val_path
+        self.val_dataset = None
+        if val_path is not None:
+            # No shuffle: every evaluation (any seed, any epoch, any layout) sees the same rows in the same order.
+            self.val_dataset = DataParallelStreamingDataset(
+                input_dir=str(val_path),
+                item_loader=TokensLoader(block_size=self.seq_len + 1),
+                shuffle=False,
+                drop_last=True,
+            )
+            if len(self.val_dataset) < dp_size * micro:
+                rank_zero_warn(
+                    f"The validation split ({len(self.val_corpus.files) if self.val_corpus else 0} files) yields "
+                    f"{len(self.val_dataset)} sequences, fewer than one validation batch (dp_size x micro_batch_size"
+                    f" = {dp_size * micro}): no validation batches. Raise data.val_fraction or add documents."
+                )
         self.train_dataset = DataParallelStreamingDataset(
             input_dir=str(path),
             item_loader=TokensLoader(block_size=self.seq_len + 1),
@@ -446,6 +502,29 @@ class PretrainDataModule(L.LightningDataModule):
         dp_rank, dp_size = self._dp
         return DataParallelStreamingDataLoader(
             self.train_dataset,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            micro_batch_size=self._micro,
+            num_workers=self.num_workers,
+            drop_last=True,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def val_dataloader(self) -> DataParallelStreamingDataLoader | list:
+        """Held-out batches, unshuffled, sliced per dp rank exactly like training (``drop_last``).
+
+        Every dp rank streams the same order and keeps its ``micro_batch_size`` rows of each
+        ``dp_size * micro_batch_size`` global batch, so the dp-mean of the rank losses equals the
+        single-process loss on the same rows. Returns ``[]`` (Lightning then skips validation)
+        when there is no validation data: ``val_fraction == 0`` or a one-file corpus.
+        """
+        if self.train_dataset is None:
+            self.setup("validate")
+        if self.val_dataset is None:
+            return []
+        dp_rank, dp_size = self._dp
+        return DataParallelStreamingDataLoader(
+            self.val_dataset,
             dp_rank=dp_rank,
             dp_size=dp_size,
             micro_batch_size=self._micro,

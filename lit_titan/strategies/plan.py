@@ -24,6 +24,8 @@ class ParallelPlan:
     fsdp_units: Callable[[nn.Module], list]
     # pipeline units in forward order, each a list of module names (embedding and head count as units)
     pipeline_units: Callable[[nn.Module], list[list[str]]] | None = None
+    # (parent module, attribute) of each core attention op, swapped by context parallelism
+    attention_cores: Callable[[nn.Module], list[tuple[nn.Module, str]]] | None = None
     # TP styles for the root of a pipeline stage that lacks the first/last parts (stage boundaries)
     tp_stage_io: Callable[[nn.Module], list] | None = None
 

@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
+from lit_titan.strategies.context_parallel import ContextParallel
 from lit_titan.strategies.fsdp import FSDPConfig, apply_fsdp, mixed_precision_for
 from lit_titan.strategies.parallel_dims import ParallelDims
 from lit_titan.strategies.pipeline import (
@@ -84,6 +85,7 @@ class TitanStrategy(ModelParallelStrategy):
         if pp > 1:
             self.pipeline_config.validate()
         self.pipeline: PipelineRunner | None = None
+        self.context_parallel: ContextParallel | None = None
         self._views: list[nn.Module] = []
         self.parallel_dims: ParallelDims | None = None
         self._transforms: dict[str, list[Transform]] = {slot: [] for slot in TRANSFORM_SLOTS}
@@ -144,6 +146,8 @@ class TitanStrategy(ModelParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
         self._setup_distributed()
         self._device_mesh, self.mesh_views = self.parallel_dims.build_mesh(self.root_device.type)
+        if self.parallel_dims.cp > 1:
+            self.context_parallel = ContextParallel(self._device_mesh["cp"].get_group())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -195,6 +199,11 @@ class TitanStrategy(ModelParallelStrategy):
         for view in views:
             if dims.tp > 1:
                 apply_tensor_parallel(view, mesh["tp"], plan, self.loss_parallel)
+            if self.context_parallel is not None:
+                if plan.attention_cores is None:
+                    raise TypeError(f"the ParallelPlan of {type(view).__name__} defines no attention_cores; "
+                                    f"context parallelism (parallel.cp > 1) needs them")
+                self.context_parallel.apply(view, plan.attention_cores(view))
             self._run_transforms("activation_checkpointing", view, plan)
             self._run_transforms("compile", view, plan)
             if dims.dp_replicate * dims.fsdp_size > 1 or param_dtype is not None:
@@ -267,28 +276,43 @@ class TitanStrategy(ModelParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
-            if self.pipeline is None:
+            if self.pipeline is None and self.context_parallel is None:
                 return super().training_step(*args, **kwargs)
-            # The schedule owns forward and backward; the module still defines batch and loss.
+            # Under PP (the schedule owns forward and backward) and CP (each rank sees a slice of
+            # the sequence) the strategy runs the step, with the module's split_batch,
+            # compute_loss and record_train_loss: subclasses customise those, not training_step.
             module = self.lightning_module
-            accumulation = module.trainer.accumulate_grad_batches
-            if args[1] % accumulation == 0:  # first micro-batch of an optimizer step
-                for optimizer in self.optimizers:
-                    optimizer.zero_grad()
             inputs, labels = module.split_batch(args[0])
-            loss = self.pipeline.train_step(inputs, labels, module.compute_loss, accumulation=accumulation)
+            local_inputs, local_labels = self._shard_sequence(inputs, labels)
+            if self.pipeline is not None:
+                accumulation = module.trainer.accumulate_grad_batches
+                if args[1] % accumulation == 0:  # first micro-batch of an optimizer step
+                    for optimizer in self.optimizers:
+                        optimizer.zero_grad()
+                loss = self.pipeline.train_step(local_inputs, local_labels, module.compute_loss,
+                                                accumulation=accumulation)
+            else:
+                loss = module.compute_loss(module(local_inputs), local_labels)
             module.record_train_loss(loss, inputs)
             return loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
-            if self.pipeline is None:
+            if self.pipeline is None and self.context_parallel is None:
                 return super().validation_step(*args, **kwargs)
             module = self.lightning_module
-            inputs, labels = module.split_batch(args[0])
-            loss = self.pipeline.eval_step(inputs, labels, module.compute_loss)
+            inputs, labels = self._shard_sequence(*module.split_batch(args[0]))
+            if self.pipeline is not None:
+                loss = self.pipeline.eval_step(inputs, labels, module.compute_loss)
+            else:
+                loss = module.compute_loss(module(inputs), labels)
             module.record_val_loss(loss)
             return loss
+
+    def _shard_sequence(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        if self.context_parallel is None:
+            return inputs, labels
+        return self.context_parallel.shard(inputs, labels)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is not None:

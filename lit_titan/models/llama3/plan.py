@@ -91,6 +91,11 @@ def tp_stage_io(model: nn.Module) -> list:
     return styles
 
 
+def attention_cores(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [(block.attention, "core") for block in blocks(model)]
+
+
 LLAMA3_PLAN = ParallelPlan(tp_root=tp_root, tp_block=tp_block, blocks=blocks, fsdp_units=fsdp_units,
-                           pipeline_units=pipeline_units, tp_stage_io=tp_stage_io)
+                           pipeline_units=pipeline_units, tp_stage_io=tp_stage_io,
+                           attention_cores=attention_cores)
 register_plan(Transformer, LLAMA3_PLAN)

@@ -1,0 +1,113 @@
+"""Context parallelism: every rank of the ``cp`` group holds a slice of every sequence.
+
+Load balance: a sequence of S tokens is cut into 2*cp chunks; cp rank r holds chunks r and
+2*cp-1-r, so under the causal mask every rank does the same attention work.
+
+Attention across slices, by all-gathering K and V ("allgather", what Llama 3 used at 405B
+scale): each rank attends its local queries to the keys of the whole sequence, masked by the
+tokens' original positions. Why not torch's experimental ``context_parallel`` (ring attention):
+it only covers CUDA SDPA kernels (on CPU: "_scaled_dot_product_flash_attention_for_cpu does not
+have a sharding strategy registered") and patches SDPA globally through private APIs, while this
+works on any backend with public collectives, so CPU tests prove the same code that runs on GPUs.
+A ring variant overlaps communication better on GPUs; it is not implemented yet (no GPU was
+available to measure it against this one).
+
+Nothing here touches the model's code: the strategy swaps the model's core attention modules
+(named by the family's ParallelPlan) and injects ``positions`` with a forward pre-hook.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@lru_cache(maxsize=64)
+def _balanced_positions_cpu(seq_len: int, cp: int, rank: int) -> Tensor:
+    chunk = seq_len // (2 * cp)
+    first, second = rank, 2 * cp - 1 - rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
+                      torch.arange(second * chunk, (second + 1) * chunk)])
+
+
+def balanced_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
+    """Original positions of the tokens cp rank ``rank`` holds, for a full sequence of ``seq_len``."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp={2 * cp}; change data.seq_len")
+    return _balanced_positions_cpu(seq_len, cp, rank).to(device)
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather along ``dim`` whose backward sums the gradient back to each owner's slice."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        group, dim = ctx.group, ctx.dim
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunks = [c.contiguous() for c in grad.chunk(world, dim=dim)]
+        if dist.get_backend(group) == "nccl":
+            out = torch.empty_like(chunks[0])
+            dist.reduce_scatter(out, chunks, group=group)
+        else:  # gloo has no reduce-scatter: all-reduce, keep our slice
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=group)
+            out = grad.chunk(world, dim=dim)[rank].contiguous()
+        return out, None, None
+
+
+class AllGatherKVAttention(nn.Module):
+    """Causal attention of local queries against the all-gathered keys/values of the sequence."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # q, k, v: [b, heads, local_seq, head_dim]
+        local = q.shape[2]
+        seq_len = local * self.cp
+        k = _AllGatherSeq.apply(k, self.group, 2)
+        v = _AllGatherSeq.apply(v, self.group, 2)
+        q_pos = balanced_positions(seq_len, self.cp, self.rank, q.device)
+        # Gathered keys are in rank order, each rank's two chunks: their original positions.
+        k_pos = torch.cat([balanced_positions(seq_len, self.cp, r, q.device) for r in range(self.cp)])
+        mask = q_pos[:, None] >= k_pos[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class ContextParallel:
+    """Shards batches along the sequence and wires a model for CP (attention swap + positions)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.cp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def shard(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        """This rank's load-balanced slice of each [b, seq, ...] tensor."""
+        pos = balanced_positions(tensors[0].shape[1], self.cp, self.rank, tensors[0].device)
+        return tuple(t.index_select(1, pos) for t in tensors)
+
+    def apply(self, model: nn.Module, attention_cores: list[tuple[nn.Module, str]]) -> None:
+        for parent, name in attention_cores:
+            setattr(parent, name, AllGatherKVAttention(self.group))
+        model.register_forward_pre_hook(self._inject_positions, with_kwargs=True)
+
+    def _inject_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        local = args[0].shape[1]
+        device = args[0].device if not hasattr(args[0], "to_local") else args[0].to_local().device
+        # The model's signature is forward(tokens, positions=None): positions replaces any given one.
+        return args[:1], {**kwargs, "positions": balanced_positions(local * self.cp, self.cp, self.rank, device)}
