@@ -66,8 +66,22 @@ class _AllGatherSeq(torch.autograd.Function):
         return out, None, None
 
 
+@lru_cache(maxsize=64)
+def _gathered_to_original_cpu(seq_len: int, cp: int) -> Tensor:
+    """Index that reorders rank-major gathered chunks into original sequence order."""
+    gathered = torch.cat([_balanced_positions_cpu(seq_len, cp, r) for r in range(cp)])
+    return torch.argsort(gathered)
+
+
 class AllGatherKVAttention(nn.Module):
-    """Causal attention of local queries against the all-gathered keys/values of the sequence."""
+    """Causal attention of the local query chunks against the all-gathered keys/values.
+
+    Each of the rank's two query chunks (sequence blocks ``r`` and ``2cp-1-r``) attends only to the
+    key prefix that ends with its own block, under a lower-right causal bias: no work or memory
+    is spent on keys the mask would hide, and SDPA keeps its fused kernels (flash/efficient on
+    CUDA; on CPU a plain causal call for a block that starts the sequence, a materialised
+    prefix mask otherwise).
+    """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         super().__init__()
@@ -76,16 +90,27 @@ class AllGatherKVAttention(nn.Module):
         self.rank = dist.get_rank(group)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # q, k, v: [b, heads, local_seq, head_dim]
-        local = q.shape[2]
-        seq_len = local * self.cp
-        k = _AllGatherSeq.apply(k, self.group, 2)
-        v = _AllGatherSeq.apply(v, self.group, 2)
-        q_pos = balanced_positions(seq_len, self.cp, self.rank, q.device)
-        # Gathered keys are in rank order, each rank's two chunks: their original positions.
-        k_pos = torch.cat([balanced_positions(seq_len, self.cp, r, q.device) for r in range(self.cp)])
-        mask = q_pos[:, None] >= k_pos[None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        from torch.nn.attention.bias import causal_lower_right
+
+        from lit_titan.models.llama3.model import repeat_kv
+
+        # q [b, heads, local_seq, d], k/v [b, kv_heads, local_seq, d]; local_seq holds two chunks.
+        # K/V are gathered before the grouped-query repeat: n_rep times fewer bytes on the wire.
+        chunk = q.shape[2] // 2
+        seq_len = q.shape[2] * self.cp
+        order = _gathered_to_original_cpu(seq_len, self.cp).to(q.device)
+        n_rep = q.shape[1] // k.shape[1]
+        k = repeat_kv(_AllGatherSeq.apply(k, self.group, 2).index_select(2, order), n_rep)
+        v = repeat_kv(_AllGatherSeq.apply(v, self.group, 2).index_select(2, order), n_rep)
+        outs = []
+        for q_chunk, block in zip(q.split(chunk, dim=2), (self.rank, 2 * self.cp - 1 - self.rank)):
+            end = (block + 1) * chunk
+            if end == chunk:  # the first block: an ordinary causal square
+                outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end], is_causal=True))
+            else:
+                outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end],
+                                                           attn_mask=causal_lower_right(chunk, end)))
+        return torch.cat(outs, dim=2)
 
 
 class ContextParallel:

@@ -59,18 +59,23 @@ def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
-    """[b, s, kv, d] -> [b, s, kv * n_rep, d] for grouped-query attention."""
+    """[b, kv, s, d] -> [b, kv * n_rep, s, d] for grouped-query attention."""
     if n_rep == 1:
         return x
-    b, s, kv, d = x.shape
-    return x[:, :, :, None, :].expand(b, s, kv, n_rep, d).reshape(b, s, kv * n_rep, d)
+    b, kv, s, d = x.shape
+    return x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
 
 
 class CoreAttention(nn.Module):
-    """Causal attention over [b, h, s, d]; a module so context parallelism can swap it."""
+    """Causal grouped-query attention: q [b, heads, s, d], k/v [b, kv_heads, s, d].
+
+    A module, taking k/v before the head repeat, so context parallelism can swap it and
+    communicate kv_heads rather than heads.
+    """
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        n_rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
 
 
 class Attention(nn.Module):
@@ -90,8 +95,6 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        n_rep = q.shape[2] // k.shape[2]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
