@@ -118,7 +118,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     global_batch = int(cfg.data.global_batch_size)
     micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)
     summary = RunSummary(run_dir=str(run_dir))
-    all_callbacks = [summary, *(callbacks or [])]
+    configured = [_instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
+    all_callbacks = [summary, *configured, *(callbacks or [])]
     if cfg.checkpoint.enabled:
         every = int(cfg.checkpoint.every_n_steps) or None
         # No '=' in the names: they are passed back as `resume=PATH`, and Hydra's grammar splits on '='.

@@ -1,5 +1,9 @@
 """User-facing toggles (Lightning callbacks); the strategy decides when their transforms run."""
 
+from lit_titan.callbacks.activation_checkpointing import ActivationCheckpointing
+from lit_titan.callbacks.compile import Compile
+from lit_titan.callbacks.float8 import Float8
 from lit_titan.callbacks.run_summary import RunSummary
+from lit_titan.callbacks.throughput import ThroughputMonitor
 
-__all__ = ["RunSummary"]
+__all__ = ["ActivationCheckpointing", "Compile", "Float8", "RunSummary", "ThroughputMonitor"]

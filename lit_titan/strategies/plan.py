@@ -22,6 +22,8 @@ class ParallelPlan:
     blocks: Callable[[nn.Module], Iterable[nn.Module]]
     # FSDP units in forward order (a list groups modules into one all-gather)
     fsdp_units: Callable[[nn.Module], list]
+    # attribute path of the ModuleDict holding the blocks (callbacks replace wrapped blocks there)
+    block_container: str = "layers"
     # pipeline units in forward order, each a list of module names (embedding and head count as units)
     pipeline_units: Callable[[nn.Module], list[list[str]]] | None = None
     # (parent module, attribute) of each core attention op, swapped by context parallelism

@@ -1,0 +1,179 @@
+"""Float8 training (torchao): swap eligible ``nn.Linear`` layers for ``Float8Linear``.
+
+The callback only *asks*: it registers a ``convert`` transform with ``TitanStrategy``, which runs it
+on the meta-device model before pipeline split, TP, activation checkpointing, compile and FSDP
+(docs/architecture.md). Converting first means every later stage wraps the Float8 modules, and
+FSDP sees torchao's float8 weight subclass, which is what makes FP8 all-gather possible.
+
+What runs where (torch 2.14, torchao 0.18):
+- CUDA with compute capability >= 8.9 (Ada, Hopper, Blackwell): real FP8 GEMMs (``_scaled_mm``).
+- Anything else (CPU, older GPUs) only with ``emulate=True``: torchao's ``Float8LinearConfig.emulate``
+  casts to float8 and back and does the GEMM in high precision, so the *numerics* of FP8 training
+  are reproduced without FP8 units. (torch's CPU ``_scaled_mm`` also runs the non-emulated path on
+  CPU, but it is no faster and has no GPU counterpart below SM89, so we do not rely on it: one
+  documented path, ``emulate=True``, behaves the same on every device.)
+- Tensor parallel: the Float8Linear modules run under the model plan's ordinary TP styles (the
+  GEMM inputs are cast to float8 locally, after the bf16/fp32 collectives). torchao's Float8-aware
+  TP styles (float8 collectives) are not offered: the plan is chosen by the strategy, not by
+  callbacks, and gloo has no float8 collectives to test them on (see ``float8_tp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lit_titan.callbacks._requires import transform_strategy
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+class Float8(L.Callback):
+    """Train the model's eligible Linear layers in float8 (torchao), under ``TitanStrategy``.
+
+    Args:
+        recipe: torchao recipe. ``"tensorwise"`` (one scale per tensor; fastest, and the only one with
+            FP8 FSDP all-gather), ``"rowwise"`` (per-row scales, power-of-2 rounded; more accurate),
+            ``"rowwise_with_gw_hp"`` (rowwise, weight gradient kept in high precision; most accurate).
+        enable_fsdp_float8_all_gather: tensorwise only: FSDP all-gathers the weights already cast to
+            float8 (half the bf16 traffic). Ignored (with a notice) for rowwise recipes, whose
+            per-row scales torchao cannot compute before the gather.
+        precompute_scales: tensorwise + FP8 all-gather only: after each optimizer step compute
+            every weight's scale with one all-reduce (``precompute_float8_dynamic_scale_for_fsdp``)
+            instead of one small all-reduce per weight inside the next all-gather.
+        emulate: run the FP8 numerics without FP8 hardware (required on CPU / GPUs below SM89).
+        filter_fqns: modules whose fully-qualified name contains any of these are kept in high
+            precision. Default ``["output"]``: the LM head's logits feed the loss directly and
+            FP8 there costs accuracy (TorchTitan's default too).
+        min_dim: a Linear is converted only if both its in and out features are multiples of this
+            (the FP8 GEMM kernels need multiples of 16).
+        auto_filter_small_kn: also apply torchao's ``_auto_filter_for_recipe``, which skips GEMMs
+            too small to gain from FP8 on H100 (e.g. tensorwise: K <= 4096 and N <= 1024). On by
+            default for real runs; turn it off for small/debug models (and numerics studies),
+            where it would otherwise leave nothing in float8. Not applied to
+            ``rowwise_with_gw_hp`` (torchao 0.18 has no thresholds for it: NotImplementedError).
+        float8_tp: torchao's Float8-aware TP styles. Not supported (NotImplementedError): they must
+            replace the model plan's TP styles, which a callback cannot do cleanly, and they need
+            float8 collectives (gloo: "Invalid scalar type").
+    """
+
+    def __init__(
+        self,
+        recipe: str = "tensorwise",
+        enable_fsdp_float8_all_gather: bool = True,
+        precompute_scales: bool = True,
+        emulate: bool = False,
+        filter_fqns: Sequence[str] = ("output",),
+        min_dim: int = 16,
+        auto_filter_small_kn: bool = True,
+        float8_tp: bool = False,
+    ) -> None:
+        if recipe not in RECIPES:
+            raise ValueError(f"unknown Float8 recipe {recipe!r}; choose one of {list(RECIPES)}")
+        if float8_tp:
+            raise NotImplementedError(
+                "Float8(float8_tp=True): torchao's Float8ColwiseParallel/Float8RowwiseParallel must replace the "
+                "model plan's TP styles, which the strategy owns; not supported yet. With float8_tp=False the "
+                "Float8Linear layers run under the plan's ordinary TP styles (bf16/fp32 collectives)."
+            )
+        if min_dim < 1:
+            raise ValueError(f"min_dim must be >= 1, got {min_dim}")
+        self.recipe = recipe
+        self.enable_fsdp_float8_all_gather = enable_fsdp_float8_all_gather and recipe == "tensorwise"
+        if enable_fsdp_float8_all_gather and recipe != "tensorwise":
+            rank_zero_info(f"Float8: FP8 all-gather needs the tensorwise recipe; recipe={recipe!r} gathers in "
+                           f"the FSDP param dtype")
+        # Scales only matter when FSDP gathers float8 weights; otherwise there is nothing to precompute.
+        self.precompute_scales = precompute_scales and self.enable_fsdp_float8_all_gather
+        self.emulate = emulate
+        self.filter_fqns = list(filter_fqns)
+        self.min_dim = min_dim
+        self.auto_filter_small_kn = auto_filter_small_kn
+        self.converted: list[str] = []  # fully-qualified names of the Float8Linear layers
+        self._last_step: int | None = None
+        self._registered_on: Any = None
+
+    # ---- configuration --------------------------------------------------------------------------
+    def float8_config(self):
+        """The torchao ``Float8LinearConfig`` for this recipe and these flags."""
+        from torchao.float8 import Float8LinearConfig
+
+        config = Float8LinearConfig.from_recipe_name(self.recipe)
+        return dataclasses.replace(config, emulate=self.emulate,
+                                   enable_fsdp_float8_all_gather=self.enable_fsdp_float8_all_gather)
+
+    def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
+        """True where a module becomes Float8Linear: a Linear not in ``filter_fqns`` with FP8-sized dims."""
+        from torchao.float8.float8_linear import Float8Linear
+
+        if not isinstance(module, nn.Linear) or isinstance(module, Float8Linear):  # never convert twice
+            return False
+        if any(name in fqn for name in self.filter_fqns):
+            return False
+        if module.in_features % self.min_dim or module.out_features % self.min_dim:
+            return False
+        if self.auto_filter_small_kn and self.recipe != "rowwise_with_gw_hp":
+            from torchao.float8 import _auto_filter_for_recipe  # present in torchao 0.18
+
+            return _auto_filter_for_recipe(self.recipe, self.filter_fqns)(module, fqn)
+        return True
+
+    def convert(self, model: nn.Module, plan: Any = None, strategy: Any = None) -> None:
+        """The ``convert`` transform: swap eligible Linears in place (model may be on meta)."""
+        from torchao.float8 import convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+
+        convert_to_float8_training(model, config=self.float8_config(), module_filter_fn=self.module_filter_fn)
+        self.converted = [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+        if not self.converted:
+            rank_zero_warn("Float8: no Linear layer passed the filter, the model trains without float8"
+                           + (" (small model? try auto_filter_small_kn=False)" if self.auto_filter_small_kn else ""))
+        else:
+            rank_zero_info(f"Float8 ({self.recipe}{', emulated' if self.emulate else ''}): converted "
+                           f"{len(self.converted)} Linear layers")
+
+    # ---- Lightning hooks ------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        strategy = transform_strategy(trainer, "Float8")
+        self._check_hardware(strategy.root_device)
+        if self._registered_on is not strategy:  # setup runs again on fit -> validate: register once
+            strategy.register_transform("convert", self.convert)
+            self._registered_on = strategy
+
+    def _check_hardware(self, device: torch.device) -> None:
+        if self.emulate:
+            return
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+            return
+        where = (f"CUDA compute capability {torch.cuda.get_device_capability(device)}" if device.type == "cuda"
+                 else f"device type {device.type!r}")
+        raise RuntimeError(f"Float8 needs FP8 units (CUDA compute capability >= 8.9); this run has {where}. "
+                           f"Pass Float8(emulate=True) to run the float8 numerics without them (no speed-up).")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_step = trainer.global_step  # resumed runs start counting from their step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Precompute FP8 weight scales after every optimizer step.
+
+        ``on_train_batch_end`` runs after ``optimizer.step()``; ``global_step`` changing tells us a
+        step happened (so gradient accumulation and skipped steps are handled without private
+        loop state). ``on_before_zero_grad`` would be too late: Lightning zeroes gradients inside
+        the next step's closure, after that step's forward has already all-gathered the weights.
+        """
+        if not self.precompute_scales or trainer.global_step == self._last_step:
+            return
+        self._last_step = trainer.global_step
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(pl_module.model)
+
+
+__all__ = ["Float8", "RECIPES"]

@@ -1,0 +1,244 @@
+"""Per-device throughput, TFLOP/s, MFU and peak memory, logged once per optimizer step.
+
+``ThroughputMonitor`` logs through ``pl_module.log(..., on_step=True, on_epoch=False)``, so the
+values land in the same metrics row (e.g. ``metrics.csv``) as ``train/loss`` of that step:
+
+- ``perf/tokens_per_sec_per_device``: global tokens of the step / step wall time / world size;
+- ``perf/tflops_per_device``:         tokens_per_sec_per_device * flops_per_token / 1e12;
+- ``perf/mfu``:                       tflops_per_device / peak bf16 dense TFLOP/s of the device,
+  only on devices listed in ``PEAK_BF16_TFLOPS`` (never on CPU or unknown GPUs);
+- ``perf/max_memory_allocated_gib`` / ``perf/max_memory_reserved_gib``: CUDA only.
+
+Model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; the same formula as TorchTitan's
+``get_num_flop_per_token``)::
+
+    flops_per_token = 6 * (N - N_embedding) + 12 * n_layers * n_heads * head_dim * seq_len
+
+``N`` counts the parameters of the *whole* model (not this rank's FSDP shard / TP slice / PP
+stage) and ``N_embedding = vocab_size * dim`` is the input embedding table (a lookup, no matmul);
+the output head is a matmul and counts. ``6 * N`` is forward (2) + backward (4) FLOPs of the
+weight matmuls per token; the second term is the attention score / value matmuls (QK^T and AV,
+forward + backward) over the full sequence, without discounting the causal mask (as PaLM and
+TorchTitan do). Activation recomputation is not counted: these are *model* FLOPs, hence MFU,
+not hardware FLOPs utilisation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "PEAK_BF16_TFLOPS",
+    "ThroughputMonitor",
+    "count_params",
+    "flops_per_token",
+    "peak_bf16_tflops",
+    "per_device_throughput",
+]
+
+# Peak dense (no structured sparsity) BF16 Tensor Core TFLOP/s, matched as case-insensitive
+# substrings of ``torch.cuda.get_device_name()``; the first match wins, so the specific names come
+# before the generic ones ("H100 PCIe" / "H100 NVL" before "H100", "H200 NVL" before "H200").
+# Sources: NVIDIA datasheets, which quote BF16 "with sparsity"; the dense figure is half of it.
+# - A100 datasheet: BF16 312 TFLOPS dense (624 sparse), SXM4 and PCIe alike.
+# - H100 datasheet: BF16 1,979 (SXM) / 1,513 (PCIe) / 1,671 (NVL) TFLOPS with sparsity
+#   -> 989 / 756 / 835 dense. "NVIDIA H100 80GB HBM3" is the SXM part.
+# - H200 datasheet: BF16 1,979 (SXM) / 1,671 (NVL) TFLOPS with sparsity -> 989 / 835 dense
+#   (GH200's GPU is the same H100/H200 silicon: its name "GH200" matches "H200", 989).
+# - B200 (HGX B200 datasheet): BF16 4.5 PFLOPS with sparsity -> 2,250 dense.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("A100", 312.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100 SXM", 989.0),
+    ("H100", 989.0),
+    ("H200 NVL", 835.0),
+    ("H200", 989.0),
+    ("B200", 2250.0),
+)
+
+_GIB = 1024**3
+
+
+def peak_bf16_tflops(device_name: str | None) -> float | None:
+    """Peak dense BF16 TFLOP/s of a GPU from its ``torch.cuda.get_device_name()``; None if unknown."""
+    if not device_name:
+        return None
+    name = device_name.lower()
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key.lower() in name:
+            return tflops
+    return None
+
+
+def count_params(model_args: Any) -> int:
+    """Parameters of the whole Llama 3 ``Transformer`` built from ``model_args`` (untied output head).
+
+    Equals ``sum(p.numel() for p in Transformer(model_args).parameters())``.
+    """
+    dim, hd = model_args.dim, model_args.head_dim
+    attention = dim * model_args.n_heads * hd * 2 + dim * model_args.kv_heads * hd * 2  # wq, wo, wk, wv
+    ffn = 3 * dim * model_args.ffn_hidden_dim  # w1, w2, w3
+    block = attention + ffn + 2 * dim  # + attention_norm, ffn_norm
+    return model_args.n_layers * block + 2 * model_args.vocab_size * dim + dim  # embedding, output, norm
+
+
+def flops_per_token(model_args: Any, seq_len: int, num_params: int | None = None) -> float:
+    """Training (forward + backward) model FLOPs per token (PaLM appendix B / TorchTitan).
+
+    ``6 * (N - vocab_size * dim) + 12 * n_layers * n_heads * head_dim * seq_len``, with ``N`` the
+    whole model's parameter count (``num_params``, or analytically from ``model_args``).
+    """
+    n = count_params(model_args) if num_params is None else int(num_params)
+    n_embedding = model_args.vocab_size * model_args.dim
+    attention = 12 * model_args.n_layers * model_args.n_heads * model_args.head_dim * seq_len
+    return float(6 * (n - n_embedding) + attention)
+
+
+def per_device_throughput(global_tokens: float, step_seconds: float, world_size: int, flops_per_token: float,
+                          peak_tflops: float | None = None) -> dict[str, float]:
+    """Per-device numbers of one optimizer step from its *global* token count.
+
+    The global tokens are divided by the world size (every rank: dp, tp, cp and pp peers alike),
+    so the same per-device work gives the same per-device numbers under any parallel layout.
+    ``mfu`` is present only when ``peak_tflops`` is known.
+    """
+    tokens_per_sec = global_tokens / step_seconds / world_size
+    tflops = tokens_per_sec * flops_per_token / 1e12
+    out = {"tokens_per_sec_per_device": tokens_per_sec, "tflops_per_device": tflops}
+    if peak_tflops:
+        out["mfu"] = tflops / peak_tflops
+    return out
+
+
+class ThroughputMonitor(L.Callback):
+    """Logs ``perf/*`` once per optimizer step (at accumulation boundaries), from the second on.
+
+    A step's time is the wall time between the ends of two consecutive optimizer steps (data
+    loading included; validation excluded: the clock restarts when validation ends). The first
+    ``warmup_steps`` steps (start-up, ``torch.compile``) only start the clock. On CUDA the step
+    boundary calls ``torch.cuda.synchronize()`` once per optimizer step, so the time covers the
+    queued kernels; on CPU nothing is synchronised.
+
+    MFU is always measured against the device's *bf16 dense* peak, also when training with
+    Float8 matmuls (then MFU can exceed what bf16 could reach; it stays comparable across
+    recipes). It is logged only on devices in ``PEAK_BF16_TFLOPS`` or with an explicit
+    ``peak_tflops``; on CPU and unknown GPUs it is not logged at all.
+
+    Args:
+        warmup_steps: optimizer steps not measured (the clock starts at the end of the last one).
+        log_memory: log CUDA peak allocated / reserved memory (GiB) per device.
+        peak_tflops: peak dense bf16 TFLOP/s of the device, overriding the table lookup.
+    """
+
+    def __init__(self, warmup_steps: int = 1, log_memory: bool = True, peak_tflops: float | None = None) -> None:
+        if warmup_steps < 1:
+            raise ValueError("warmup_steps must be >= 1: the first step has no previous step end to time from")
+        self.warmup_steps = warmup_steps
+        self.log_memory = log_memory
+        self.peak_tflops_override = peak_tflops
+        self.last: dict[str, float] = {}
+        self.num_params: int | None = None
+        self.peak_tflops: float | None = None
+        self._t_prev: float | None = None
+        self._steps_seen = 0
+        self._prev_global_step = 0
+        self._window_tokens = 0  # this rank's input tokens since the last optimizer step
+        self._seq_len = 0
+
+    # ---- Lightning hooks ------------------------------------------------------------------------
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.num_params = _whole_model_params(pl_module)
+        device = pl_module.device
+        if self.peak_tflops_override is not None:
+            self.peak_tflops = float(self.peak_tflops_override)
+        elif device.type == "cuda":
+            self.peak_tflops = peak_bf16_tflops(torch.cuda.get_device_name(device))
+        else:
+            self.peak_tflops = None
+        self._t_prev, self._steps_seen = None, 0
+        self._prev_global_step = trainer.global_step
+        self._window_tokens = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        tokens = _batch_tokens(batch)
+        if tokens is not None:
+            self._window_tokens += tokens[0] * tokens[1]
+            self._seq_len = tokens[1]
+        if trainer.global_step == self._prev_global_step:
+            return  # inside an accumulation window: no optimizer step yet
+        self._prev_global_step = trainer.global_step
+        window_tokens, self._window_tokens = self._window_tokens, 0
+        now = self._now(pl_module.device)
+        t_prev, self._t_prev = self._t_prev, now
+        self._steps_seen += 1
+        if self._steps_seen <= self.warmup_steps or t_prev is None or not window_tokens:
+            return
+
+        # Global tokens of the step: this rank's (micro * seq_len per micro-batch, summed over the
+        # accumulation window) times the data-parallel size; tp/cp/pp peers see the same batch.
+        dp = getattr(trainer.strategy, "data_parallel_size", None) or trainer.world_size
+        global_tokens = window_tokens * dp
+        # Per device: global tokens / world size. Lightning's ThroughputMonitor multiplies the
+        # per-rank count by the world size and so over-counts TP/CP/PP peers that process the
+        # same tokens; dividing the *global* count by the world size gives the same per-device
+        # numbers for the same per-device work under any layout.
+        model_args = getattr(pl_module, "model_args", None)
+        fpt = flops_per_token(model_args, self._seq_len, self.num_params) if model_args is not None else 0.0
+        values = per_device_throughput(global_tokens, now - t_prev, trainer.world_size, fpt, self.peak_tflops)
+        if model_args is None:
+            values.pop("tflops_per_device")
+            values.pop("mfu", None)
+        if self.log_memory and pl_module.device.type == "cuda":
+            values["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / _GIB
+            values["max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(pl_module.device) / _GIB
+        values["step_seconds"] = now - t_prev
+        values["global_tokens"] = float(global_tokens)
+        self.last = dict(values)
+        for key in ("step_seconds", "global_tokens"):
+            values.pop(key)
+        for key, value in values.items():
+            pl_module.log(f"perf/{key}", float(value), on_step=True, on_epoch=False)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Validation inside fit runs right after a step end: restart the clock so it isn't counted.
+        if self._t_prev is not None:  # None before training / during the sanity check
+            self._t_prev = self._now(pl_module.device)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    @staticmethod
+    def _now(device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the one sync per optimizer step
+        return time.perf_counter()
+
+
+def _batch_tokens(batch: Any) -> tuple[int, int] | None:
+    """(micro-batch size, seq_len) of a [micro, seq_len + 1] token batch (or its first tensor)."""
+    if isinstance(batch, dict):
+        batch = next((v for v in batch.values() if isinstance(v, Tensor)), None)
+    elif isinstance(batch, (list, tuple)):
+        batch = batch[0] if batch else None
+    if not isinstance(batch, Tensor) or batch.dim() < 2:
+        return None
+    return int(batch.shape[0]), int(batch.shape[1]) - 1
+
+
+def _whole_model_params(pl_module: L.LightningModule) -> int | None:
+    """Parameters of the whole model (not this rank's shard or stage), built once on meta."""
+    build = getattr(pl_module, "build_model", None)
+    if callable(build):
+        try:
+            with torch.device("meta"):
+                model: nn.Module = build()
+            return sum(p.numel() for p in model.parameters())
+        except Exception:  # fall back to the analytic count from model_args
+            pass
+    model_args = getattr(pl_module, "model_args", None)
+    return count_params(model_args) if model_args is not None else None

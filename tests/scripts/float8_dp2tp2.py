@@ -1,0 +1,104 @@
+"""Train a few steps through the Python API, optionally with Float8, and write rank 0's losses.
+
+Usage: float8_dp2tp2.py OUT_JSON DEVICES [key=value ...]
+  strategy kwargs (dp_shard=2 tp=2 ...), precision=bf16-mixed, accelerator=cpu, float8=0|1,
+  steps=N (the LR schedule's length), max_steps=M (stop after M <= N steps: same schedule, fewer steps),
+  float8.<Float8 kwarg>=value (recipe, enable_fsdp_float8_all_gather, precompute_scales, emulate).
+Run as a script: Lightning's launcher re-runs it for the other ranks (hence the __main__ guard).
+"""
+
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+
+from lit_titan import PretrainModule, TitanStrategy
+from lit_titan.callbacks.float8 import Float8
+from lit_titan.data import PretrainDataModule
+
+
+GATHERED_DTYPES: set[str] = set()
+
+
+def _watch_float8_all_gather() -> None:
+    """Record the dtypes FSDP all-gathers for torchao's float8 weights (proves the FP8 all-gather ran)."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+    def watched(self, mesh):  # FSDP checks this exact signature
+        out = original(self, mesh)
+        GATHERED_DTYPES.update(str(t.dtype) for t in out[0])
+        return out
+
+    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = watched
+
+
+class Record(L.Callback):
+    def __init__(self, out: str) -> None:
+        self.out, self.losses, self.scales_set = out, [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        # Did the FSDP float8 all-gather weights get a precomputed scale (set by Float8 after the step)?
+        w = [m.weight for m in pl_module.model.modules() if type(m).__name__ == "Float8Linear"]
+        local = [getattr(x, "_local_tensor", x) for x in w]
+        self.scales_set.append(sum(getattr(t, "_precomputed_scale", None) is not None for t in local))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank != 0:
+            return
+        model = pl_module.model
+        weight_types = sorted({type(getattr(m.weight, "_local_tensor", m.weight)).__name__
+                               for m in model.modules() if type(m).__name__ == "Float8Linear"})
+        with open(self.out, "w") as f:
+            json.dump({"losses": self.losses, "scales_set": self.scales_set, "weight_types": weight_types,
+                       "all_gather_dtypes": sorted(GATHERED_DTYPES),
+                       "float8_modules": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}, f)
+
+
+def _parse(value: str):
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
+def main() -> None:
+    out, devices = sys.argv[1], int(sys.argv[2])
+    strategy_kwargs, float8_kwargs = {}, {"emulate": True, "auto_filter_small_kn": False}
+    precision, accelerator, steps, max_steps, use_float8 = "bf16-mixed", "cpu", 20, None, True
+    for item in sys.argv[3:]:
+        key, value = item.split("=", 1)
+        if key == "precision":
+            precision = value
+        elif key == "accelerator":
+            accelerator = value
+        elif key == "steps":
+            steps = int(value)
+        elif key == "max_steps":
+            max_steps = int(value)
+        elif key == "float8":
+            use_float8 = bool(int(value))
+        elif key.startswith("float8."):
+            float8_kwargs[key.removeprefix("float8.")] = _parse(value)
+        else:
+            strategy_kwargs[key] = _parse(value)
+    _watch_float8_all_gather()
+    torch.manual_seed(0)
+    module = PretrainModule("llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
+                            {"total_steps": steps, "warmup_steps": 2})
+    data = PretrainDataModule(seq_len=32, global_batch_size=8, max_bytes=300_000,
+                              tokenizer={"kind": "bpe", "vocab_size": 512}, model_vocab_size=512,
+                              data_dir=os.environ["LIT_TITAN_CACHE"])
+    callbacks = [Record(out)] + ([Float8(**float8_kwargs)] if use_float8 else [])
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=TitanStrategy(**strategy_kwargs),
+                        precision=precision, max_steps=max_steps or steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
+    trainer.fit(module, datamodule=data)
+
+
+if __name__ == "__main__":
+    main()
