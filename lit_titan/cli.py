@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-COMMANDS = {"train": "lit_titan.train"}
+COMMANDS = {"train": "lit_titan.train", "plan": "lit_titan.plan", "launch": "lit_titan.launch"}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.models.llama3 import ModelArgs, get_flavor
-from lit_titan.strategies.parallel_dims import ParallelDims
-from lit_titan.strategies.pipeline import PipelineConfig
+from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
+from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 
 LOGGERS = ("csv", "tensorboard", "wandb")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -87,6 +87,9 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     if dims.pp > 1:
         micro = int(cfg.data.micro_batch_size or int(cfg.data.global_batch_size) // dims.dp)
         pipeline_config(cfg).validate(pp=dims.pp, n_units=args.n_layers + 2, local_batch=micro)
+        if cfg.parallel.pp_schedule in V_SHAPED and cfg.trainer.limit_val_batches:
+            raise LayoutError(f"validation under parallel.pp_schedule={cfg.parallel.pp_schedule} fails in torch's "
+                              f"schedule eval (torch 2.14); set trainer.limit_val_batches=0 or use Interleaved1F1B")
     return args, dims
 
 

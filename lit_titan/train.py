@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,8 @@ def build_strategy(cfg: DictConfig):
     from lit_titan.strategies import TitanStrategy
 
     p = cfg.parallel
-    return TitanStrategy(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+    return TitanStrategy(timeout=timedelta(seconds=int(cfg.cluster.get("timeout_s", 1800))),
+                         pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                          reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload,
                          loss_parallel=p.loss_parallel, pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
                          pp_stages_per_rank=p.get("pp_stages_per_rank"), pp_stages=p.get("pp_stages"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,18 +15,52 @@ import torch
 TINY = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512",
     "data.seq_len=32", "data.max_bytes=300000", "data.global_batch_size=8",
-    "trainer.enable_progress_bar=false", "optim.warmup_steps=2",
+    "trainer.enable_progress_bar=false", "optim.warmup_steps=2", "cluster.timeout_s=180",
 ]
+
+
+# Set in *this* process by in-process Lightning fits (MASTER_PORT ...) or by our own entry point:
+# inherited, they would pin every later job to one port and one run directory.
+_JOB_ENV_DROP = ("LIT_TITAN_RUN_DIR", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
+                 "GROUP_RANK", "LOCAL_WORLD_SIZE", "GLOBAL_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def run_job(cmd: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | str | None = None
+            ) -> subprocess.CompletedProcess:
+    """Run a (possibly multi-process) job in a clean distributed environment and its own session.
+
+    On a timeout the whole job (Lightning's child ranks too) is killed; otherwise a rank left
+    waiting for a dead peer keeps our output pipes open and the test hangs.
+    """
+    job_env = {k: v for k, v in (env or os.environ).items() if k not in _JOB_ENV_DROP}
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env,
+                             cwd=cwd, start_new_session=True)
+    try:
+        out, err = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(popen.pid)
+        out, err = popen.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-3000:]}\n{err[-6000:]}")
+    finally:
+        _kill_group(popen.pid)
+    return subprocess.CompletedProcess(cmd, popen.returncode, out, err)
 
 
 def run_cli(overrides: list[str], run_dir: Path, *, check: bool = True, timeout: int = 600,
             module: str = "lit_titan.train") -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("LIT_TITAN_RUN_DIR", "LOCAL_RANK", "RANK")}
     cmd = [sys.executable, "-m", module, *overrides, f"run_dir={run_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = run_job(cmd, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def _kill_group(pgid: int) -> None:
+    """Reap ranks the launcher left behind (e.g. when rank 0 died first)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, str]]:
@@ -48,5 +83,6 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def assert_losses_match(got: list[float], ref: list[float], rtol: float) -> None:
     assert len(got) == len(ref) and len(ref) > 0, (len(got), len(ref))
+    assert len(set(ref)) > 1, "the reference loss never changed: nothing was compared"
     worst = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
     assert worst <= rtol, f"worst relative loss difference {worst:.3g} > {rtol}\n got={got}\n ref={ref}"

@@ -1,7 +1,6 @@
 """Config composition and every bad-input case: clear errors before any expensive work."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -11,7 +10,7 @@ from lit_titan.models.llama3 import FLAVORS
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.train import main
 
-from helpers import TINY
+from helpers import TINY, run_job
 
 
 @pytest.mark.parametrize("flavor", sorted(FLAVORS))
@@ -80,9 +79,8 @@ def test_corpus_smaller_than_one_batch_is_refused(tmp_path):
 
 
 def test_cli_reports_errors_in_one_line_without_starting_processes(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "lit_titan.train", "cluster.devices=2", "parallel.tp=3", f"run_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120,
+    proc = run_job(
+        [sys.executable, "-m", "lit_titan.train", "cluster.devices=2", "parallel.tp=3", f"run_dir={tmp_path}"], timeout=120,
     )
     assert proc.returncode == 2
     assert "lit-titan: error:" in proc.stderr and "Traceback" not in proc.stderr

@@ -11,12 +11,13 @@ Tolerances (measured on CPU, emulate=True, tiny model dim 64 / 2 layers / vocab 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
+
+from helpers import run_job
 import torch
 from torch import nn
 
@@ -42,8 +43,7 @@ def _meta_model(**overrides) -> nn.Module:
 
 
 def _run_script(out: Path, devices: int, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(devices), *args],
-                          capture_output=True, text=True, timeout=300, cwd=out.parent)
+    proc = run_job([sys.executable, str(SCRIPT), str(out), str(devices), *args], timeout=300, cwd=out.parent)
     assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     return json.loads(out.read_text())
 

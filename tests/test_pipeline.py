@@ -7,7 +7,7 @@ from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.plan import pipeline_units
 from lit_titan.strategies.pipeline import SCHEDULES, PipelineConfig, build_rank_model, split_units, stage_ids
 
-from helpers import TINY, assert_losses_match, losses, read_metrics, run_cli
+from helpers import TINY, assert_losses_match, losses, read_metrics, run_cli, run_job
 
 STEPS = 5
 COMMON = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "checkpoint.enabled=false"]
@@ -113,15 +113,13 @@ def test_microbatches_must_divide_the_rank_batch(tmp_path):
 
 def _grads(tmp_path, devices, *strategy_kwargs):
     """Full gradients of step 0, merged over ranks (each rank holds its stages' parameters)."""
-    import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).parent / "scripts" / "dump_grads.py"
     out = tmp_path / f"grads-{devices}-{'-'.join(strategy_kwargs) or 'single'}"
     out.mkdir()
-    proc = subprocess.run([sys.executable, str(script), str(out), str(devices), *strategy_kwargs],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_job([sys.executable, str(script), str(out), str(devices), *strategy_kwargs], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     merged = {}
     for f in sorted(out.glob("rank*.pt")):

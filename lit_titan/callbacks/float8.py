@@ -21,7 +21,7 @@ What runs where (torch 2.14, torchao 0.18):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L

@@ -499,16 +499,7 @@ class PretrainDataModule(L.LightningDataModule):
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None
-        dp_rank, dp_size = self._dp
-        return DataParallelStreamingDataLoader(
-            self.train_dataset,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            micro_batch_size=self._micro,
-            num_workers=self.num_workers,
-            drop_last=True,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return self._loader(self.train_dataset)
 
     def val_dataloader(self) -> DataParallelStreamingDataLoader | list:
         """Held-out batches, unshuffled, sliced per dp rank exactly like training (``drop_last``).
@@ -522,9 +513,12 @@ class PretrainDataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None:
             return []
+        return self._loader(self.val_dataset)
+
+    def _loader(self, dataset: DataParallelStreamingDataset) -> DataParallelStreamingDataLoader:
         dp_rank, dp_size = self._dp
         return DataParallelStreamingDataLoader(
-            self.val_dataset,
+            dataset,
             dp_rank=dp_rank,
             dp_size=dp_size,
             micro_batch_size=self._micro,

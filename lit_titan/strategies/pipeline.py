@@ -160,6 +160,7 @@ class PipelineRunner:
         self.microbatches = cfg.microbatches_for(dist.get_world_size(pp_group))
         self._loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None
         self._scale = 1.0
+        self.schedule_name = cfg.schedule
         cls = get_schedule_class(cfg.schedule)
         single = issubclass(cls, PipelineScheduleSingle)
         # scale_grads=False: accumulation spans several schedule steps, so the scale goes into
@@ -200,6 +201,10 @@ class PipelineRunner:
 
     @torch.no_grad()
     def eval_step(self, inputs: Tensor, labels: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        if self.schedule_name in V_SHAPED:
+            raise RuntimeError(f"validation under {self.schedule_name} fails in torch's schedule eval (\"can't "
+                               f"steal_bwd_input if this stage doesn't have backward\", torch 2.14); set "
+                               f"trainer.limit_val_batches=0 or use Interleaved1F1B")
         if not hasattr(self.schedule, "eval"):
             raise RuntimeError(f"validation under pipeline parallelism needs torch >= 2.8 (found {torch.__version__});"
                                f" set trainer.limit_val_batches=0")

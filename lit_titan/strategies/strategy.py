@@ -144,6 +144,7 @@ class TitanStrategy(ModelParallelStrategy):
         if self.root_device.type == "cpu":
             # N processes on one host share its cores; without this each takes them all.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
+        self._owns_process_group = not torch.distributed.is_initialized()
         self._setup_distributed()
         self._device_mesh, self.mesh_views = self.parallel_dims.build_mesh(self.root_device.type)
         if self.parallel_dims.cp > 1:
@@ -234,6 +235,14 @@ class TitanStrategy(ModelParallelStrategy):
     def _run_transforms(self, slot: str, model: nn.Module, plan: ParallelPlan) -> None:
         for fn in self._transforms[slot]:
             fn(model, plan, self)
+
+    def teardown(self) -> None:
+        super().teardown()
+        # An in-process fit (notebook, Python API) must not leave its process group behind: the
+        # next fit, the planner's fake group or a data pipeline would take it for a live job.
+        if getattr(self, "_owns_process_group", False) and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+            self._owns_process_group = False
 
     # ---- collectives and contexts ---------------------------------------------------------------
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:

@@ -37,7 +37,7 @@ def main() -> None:
                               data_dir=os.environ["LIT_TITAN_CACHE"])
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=TitanStrategy(), max_steps=2,
                         accumulate_grad_batches=8 // (devices * micro), logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False)
     trainer.fit(module, datamodule=data)
     if trainer.global_rank == 0:
         with open(out, "w") as f:

@@ -45,7 +45,7 @@ def main() -> None:
                               data_dir=os.environ["LIT_TITAN_CACHE"])
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=TitanStrategy(**kwargs), max_steps=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False,
+                        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False,
                         callbacks=[DumpGrads(out_dir)])
     trainer.fit(module, datamodule=data)
 

@@ -1,0 +1,5 @@
+"""Fleet-scale dry-run planner: the training parallelisation on a meta model over a fake process group."""
+
+from lit_titan.planner.core import REQUIRED_KEYS, launch_command, make_plan_from_cfg, render_table
+
+__all__ = ["REQUIRED_KEYS", "launch_command", "make_plan_from_cfg", "render_table"]

@@ -1,0 +1,247 @@
+"""The plan: config checks collected as reasons, the measured layout, memory, FLOPs and step time."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lit_titan.planner import estimate
+from lit_titan.planner.estimate import GIB, HBM_RESERVE_GIB
+
+REQUIRED_KEYS = ("world_size", "mesh", "params_total", "per_rank", "fits", "flops_per_token")
+
+
+def _collect(reasons: list[str], fn, *a, **kw):
+    """Run one check; a ValueError (ConfigError, LayoutError) becomes a reason instead of a crash."""
+    try:
+        return fn(*a, **kw)
+    except ValueError as err:
+        msg = str(err)
+        if msg not in reasons:
+            reasons.append(msg)
+        return None
+
+
+def _checks(cfg: DictConfig, args, dims, reasons: list[str]) -> None:
+    """The checks of ``lit_titan.config.validate``, run one by one so that every failure is reported."""
+    from lit_titan.config import pipeline_config, validate
+
+    seq_len = int(cfg.data.seq_len)
+    if dims is not None:
+        _collect(reasons, dims.validate, n_heads=args.n_heads)
+        _collect(reasons, dims.validate, n_kv_heads=args.kv_heads)
+        _collect(reasons, dims.validate, seq_len=seq_len)
+        _collect(reasons, dims.validate, global_batch_size=int(cfg.data.global_batch_size),
+                 micro_batch_size=cfg.data.micro_batch_size)
+        if dims.pp > 1:
+            micro = int(cfg.data.micro_batch_size or int(cfg.data.global_batch_size) // dims.dp)
+            _collect(reasons, lambda: pipeline_config(cfg).validate(pp=dims.pp, n_units=args.n_layers + 2,
+                                                                    local_batch=micro))
+    _collect(reasons, validate, cfg)  # anything not covered above (precision, seq_len, max_steps, ...)
+
+
+def _instantiate_callbacks(cfg: DictConfig, reasons: list[str]) -> list:
+    from lit_titan.train import _instantiate
+
+    out = []
+    for name, node in (cfg.get("callbacks") or {}).items():
+        try:
+            out.append(_instantiate(node))
+        except Exception as err:  # noqa: BLE001 - reported, not raised
+            reasons.append(f"callbacks.{name}: {type(err).__name__}: {err}")
+    return out
+
+
+def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, Any]:
+    from lit_titan.callbacks.throughput import flops_per_token
+    from lit_titan.config import model_args, parallel_dims, world_size
+    from lit_titan.planner.build import build_layout
+
+    t0 = time.perf_counter()
+    reasons: list[str] = []
+    cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
+    world = world_size(cfg)
+    requested = {k: int(cfg.parallel[k]) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+    plan: dict[str, Any] = {
+        "model": str(cfg.model.name), "cluster": cluster, "precision": str(cfg.precision), "world_size": world,
+        "mesh": requested, "params_total": None, "flops_per_token": None,
+        "per_rank": {k: None for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
+                                       "fsdp_buffer_bytes", "total_bytes")},
+        "fits": False, "reasons": reasons, "overrides": list(overrides or []),
+    }
+    args = _collect(reasons, model_args, cfg)
+    if args is None:
+        return _finish(plan, t0)
+    dims = _collect(reasons, parallel_dims, cfg)
+    _checks(cfg, args, dims, reasons)
+    callbacks = _instantiate_callbacks(cfg, reasons)
+    seq_len = int(cfg.data.seq_len)
+    from lit_titan.callbacks.throughput import count_params
+
+    plan["params_total"] = count_params(args)
+    plan["flops_per_token"] = flops_per_token(args, seq_len, num_params=plan["params_total"])
+    if dims is None:
+        return _finish(plan, t0)
+    plan["mesh"] = dims.as_dict()
+    try:
+        layout = build_layout(cfg, args, dims, callbacks)
+    except Exception as err:  # noqa: BLE001 - a layout torch refuses is a reason, not a crash
+        reasons.append(f"TitanStrategy.parallelize failed: {type(err).__name__}: {err}")
+        return _finish(plan, t0)
+    plan["params_total"] = layout.params_total  # counted on the meta model itself
+    plan["flops_per_token"] = flops_per_token(args, seq_len, num_params=layout.params_total)
+
+    p = cfg.parallel
+    precision = str(cfg.precision)
+    global_batch = int(cfg.data.global_batch_size)
+    local_batch = int(cfg.data.micro_batch_size or max(global_batch // dims.dp, 1))
+    from lit_titan.config import pipeline_config
+
+    pcfg = pipeline_config(cfg)
+    stages_per_rank = pcfg.per_rank if dims.pp > 1 else 1
+    pp_micro = pcfg.microbatches_for(dims.pp) if dims.pp > 1 else 1
+    micro = max(local_batch // pp_micro, 1) if dims.pp > 1 else local_batch
+    reshard = bool(p.reshard_after_forward)
+
+    # ---- memory of rank 0 (measured states + estimated activations and buffers) -----------------
+    state_elem = 2 if precision == "bf16-true" else layout.local_param_bytes // max(layout.local_numel, 1)
+    param_bytes = layout.local_numel * state_elem
+    grad_bytes = param_bytes  # FSDP2 keeps sharded grads in the (sharded) parameter's dtype
+    optimizer_bytes = 2 * param_bytes  # AdamW: exp_avg and exp_avg_sq, same dtype as the parameter
+    buffers = estimate.fsdp_buffer_bytes(layout, dims, precision, reshard)
+
+    def acts(layers: int, has_output: bool) -> dict[str, Any]:
+        return estimate.activation_bytes(args, dims, seq_len=seq_len, micro_batch=micro, mode=layout.ac_mode,
+                                         every_n_layers=layout.ac_every_n_layers, layers_on_rank=layers,
+                                         has_output=has_output, pp_microbatches=pp_micro,
+                                         stages_per_rank=stages_per_rank)
+
+    act0 = acts(layout.layers_on_rank, layout.pp_rank_has_output[0])
+    total0 = param_bytes + grad_bytes + optimizer_bytes + act0["total"] + buffers
+    plan["per_rank"] = {
+        "rank": 0, "param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes,
+        "activation_bytes": act0["total"], "fsdp_buffer_bytes": buffers, "total_bytes": total0,
+        "param_numel": layout.local_numel, "param_dtype": str(layout.param_dtype).replace("torch.", ""),
+        "layers": layout.layers_on_rank, "stage_ids": layout.stage_ids, "activation_detail": act0,
+        "example_parameters": layout.examples,
+    }
+    # Other pipeline ranks: states scaled by their stages' parameter count (same FSDP/TP split as
+    # rank 0), activations by the first rank's in-flight count (an upper bound for later ranks),
+    # plus the loss buffers on the rank holding the output head.
+    per_pp = []
+    if dims.pp > 1:
+        for r, (numel, layers, has_out) in enumerate(zip(layout.pp_rank_numel, layout.pp_rank_layers,
+                                                         layout.pp_rank_has_output)):
+            scale = numel / layout.pp_rank_numel[0]
+            a = acts(layers, has_out)["total"]
+            states = int(4 * param_bytes * scale)
+            per_pp.append({"pp_rank": r, "params_unsharded": numel, "layers": layers, "has_output": has_out,
+                           "state_bytes": states, "activation_bytes": a, "fsdp_buffer_bytes": int(buffers * scale),
+                           "total_bytes": int(states + a + buffers * scale)})
+        plan["per_pp_rank"] = per_pp
+        worst = max(per_pp, key=lambda d: d["total_bytes"])
+        plan["most_loaded_pp_rank"] = worst["pp_rank"]
+        plan["max_total_bytes"] = max(worst["total_bytes"], total0)
+    else:
+        plan["max_total_bytes"] = total0
+
+    hbm = cluster.get("hbm_gib")
+    plan["hbm_bytes"] = int(hbm * GIB) if hbm else None
+    plan["reserve_bytes"] = int(HBM_RESERVE_GIB * GIB)
+    if hbm:
+        capacity = (hbm - HBM_RESERVE_GIB) * GIB
+        if plan["max_total_bytes"] > capacity:
+            where = f"pp rank {plan.get('most_loaded_pp_rank', 0)}" if dims.pp > 1 else "rank 0"
+            reasons.append(f"out of memory: {where} needs an estimated {plan['max_total_bytes'] / GIB:.1f} GiB "
+                           f"(params {param_bytes / GIB:.1f} + grads {grad_bytes / GIB:.1f} + AdamW "
+                           f"{optimizer_bytes / GIB:.1f} + activations {act0['total'] / GIB:.1f} + FSDP buffers "
+                           f"{buffers / GIB:.1f} on rank 0) > {hbm} GiB HBM - {HBM_RESERVE_GIB:g} GiB reserve; "
+                           f"shard more (parallel.tp/pp), checkpoint activations (mode=full) or lower "
+                           f"data.micro_batch_size")
+    else:
+        reasons.append(f"cluster profile has no hbm_gib (accelerator={cluster.get('accelerator')}); memory fit "
+                       f"cannot be judged; pick an H100 profile, e.g. cluster=h100_8")
+
+    plan["perf"] = estimate.step_time(
+        args, dims, cluster, layout, flops_per_token=plan["flops_per_token"], seq_len=seq_len,
+        global_batch=global_batch, micro_batch=local_batch, pp_microbatches=pp_micro,
+        stages_per_rank=stages_per_rank, ac_mode=layout.ac_mode, reshard_after_forward=reshard,
+        precision=precision)
+    plan["transforms"] = {"activation_checkpointing": layout.ac_mode, "compile": layout.compiled,
+                          "float8_linears": layout.float8_layers}
+    plan["pipeline"] = ({"schedule": pcfg.schedule, "stages_per_rank": stages_per_rank, "microbatches": pp_micro,
+                         "num_stages": layout.num_stages} if dims.pp > 1 else None)
+    plan["batch"] = {"global_batch_size": global_batch, "local_batch_size": local_batch, "micro_batch": micro,
+                     "seq_len": seq_len}
+    plan["assumptions"] = {
+        "compute_efficiency": estimate.COMPUTE_EFFICIENCY, "comm_efficiency": estimate.COMM_EFFICIENCY,
+        "hbm_reserve_gib": HBM_RESERVE_GIB,
+        "bandwidth_units": "GB/s per GPU per direction (cluster.intra_node_gbps / inter_node_gbps)",
+        "not_modelled": "Float8 speed-up and FP8 all-gather savings, compile's memory savings, async TP, "
+                        "pipeline p2p, optimizer step time",
+    }
+    return _finish(plan, t0)
+
+
+def _finish(plan: dict[str, Any], t0: float) -> dict[str, Any]:
+    plan["fits"] = bool(not plan["reasons"] and plan["per_rank"]["total_bytes"] is not None)
+    plan["plan_seconds"] = round(time.perf_counter() - t0, 3)
+    return plan
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / GIB:8.2f} GiB"
+
+
+def render_table(plan: dict[str, Any]) -> str:
+    m = plan["mesh"]
+    pr = plan["per_rank"]
+    lines = [
+        f"plan: {plan['model']} on {plan['world_size']} x {plan['cluster'].get('accelerator')} "
+        f"({plan['precision']})",
+        "mesh: " + "  ".join(f"{k}={v}" for k, v in m.items()),
+        f"params_total: {plan['params_total']:,}" if plan["params_total"] else "params_total: -",
+        f"flops_per_token: {plan['flops_per_token']:.4g}" if plan["flops_per_token"] else "flops_per_token: -",
+        "per rank (rank 0):",
+    ]
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "fsdp_buffer_bytes",
+                "total_bytes"):
+        lines.append(f"  {key:<18} {_gib(pr.get(key))}")
+    if plan.get("hbm_bytes"):
+        lines.append(f"  {'hbm (reserve)':<18} {_gib(plan['hbm_bytes'])} ({_gib(plan['reserve_bytes']).strip()})")
+    for row in plan.get("per_pp_rank", []):
+        lines.append(f"  pp rank {row['pp_rank']}: {row['layers']} blocks{' +head' if row['has_output'] else ''}"
+                     f"  total {_gib(row['total_bytes'])}")
+    perf = plan.get("perf") or {}
+    if perf.get("available"):
+        lines.append(f"step: {perf['step_s']:.2f} s (compute {perf['compute_s']:.2f}, fsdp {perf['fsdp_comm_s']:.2f} "
+                     f"[{perf['fsdp_link']}], tp {perf['tp_comm_s']:.2f}, bubble {perf['pp_bubble_fraction']:.1%})  "
+                     f"tokens/s/device {perf['tokens_per_sec_per_device']:.0f}  MFU bound {perf['mfu_bound']:.1%}")
+    lines.append(f"fits: {plan['fits']}")
+    for r in plan["reasons"]:
+        lines.append(f"  - {r}")
+    if plan.get("plan_path"):
+        lines.append(f"wrote {plan['plan_path']}")
+    return "\n".join(lines)
+
+
+def launch_command(cfg: DictConfig, overrides: list[str]) -> str:
+    """The command (one node: torchrun) or sbatch script (Slurm: srun) that starts training on the profile."""
+    c = cfg.cluster
+    args = " ".join(shlex.quote(o) for o in overrides)
+    nodes, per_node = int(c.num_nodes), int(c.devices)
+    if c.get("launcher", "torchrun") == "srun":
+        return "\n".join([
+            "#!/bin/bash",
+            f"#SBATCH --job-name=lit-titan-{cfg.model.name}",
+            f"#SBATCH --nodes={nodes}",
+            f"#SBATCH --ntasks-per-node={per_node}",  # Lightning's SLURMEnvironment: one task per GPU
+            f"#SBATCH --gpus-per-node={per_node}",
+            "#SBATCH --exclusive",
+            f"srun python -m lit_titan.train {args}".rstrip(),
+        ])
+    return (f"torchrun --nnodes={nodes} --nproc_per_node={per_node} --rdzv_backend=c10d "
+            f"--rdzv_endpoint=localhost:29500 -m lit_titan.train {args}").rstrip()

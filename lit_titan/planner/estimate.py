@@ -1,0 +1,161 @@
+"""Closed-form estimates on top of the measured layout: activations, transient buffers, step time.
+
+Every formula is spelled out in docs/planner.md; the short version:
+
+Activations (bytes, 16-bit, per transformer block and micro-batch of b sequences of s tokens),
+adapted from Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv:2205.05198), whose GPT count is s*b*h*(34 + 5*a*s/h) without recomputation, divided
+by t with tensor + sequence parallelism, and 2*s*b*h (the block input) with full recomputation.
+For Llama (RMSNorm, no dropout, SwiGLU of width f, GQA with kv width h_kv = n_kv_heads*head_dim,
+flash/SDPA attention which keeps no s x s score matrix, so no 5*a*s/h term) we count the tensors
+autograd keeps per block:
+
+    none:          s*b*(12*h + 4*h_kv + 8*f) / (t*cp)
+                   = 2 bytes x [2 norm inputs + 2 norm outputs (4h), q and attention output (2h),
+                     k, v (2 h_kv), w1 and w3 outputs, silu output, their product (4f)]
+    selective_op:  s*b*(10*h + 4*h_kv + 4*f) / (t*cp)  (this repo's policy: block input and the outputs
+                   of every matmul and of attention are kept; norms/silu/products are recomputed)
+    full:          2*s*b*h / (t*cp)                     (the block input only)
+    selective_layer: every n-th block full, the others none
+
+plus, once, the recomputation peak of one block (its `none` size) when checkpointing, the
+embedding output 2*s*b*h/(t*cp), and the loss: fp32 log-probabilities and their gradient,
+8*s*b*V/(t*cp) on the rank holding the output head. Under pipeline parallelism (p ranks, v
+stages per rank, micro-batch b = local batch / pp_microbatches) the first pipeline rank holds the
+activations of L*(1 + (p-1)/(p*v)) blocks for v > 1 (1F1B, v = 1: L blocks) (Korthikanti et al., sec. 4.2.3;
+Narayanan et al. 2021 for the interleaved schedule), never more than the blocks of m in-flight
+micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 1024**3
+
+# Assumptions of the step-time model (stated in plan.json under "assumptions").
+COMPUTE_EFFICIENCY = 0.6  # achievable fraction of dense BF16 peak for large matmuls
+COMM_EFFICIENCY = 0.8  # achievable fraction of link bandwidth for ring collectives
+HBM_RESERVE_GIB = 6.0  # CUDA context + NCCL buffers + allocator fragmentation, not available to tensors
+
+
+def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str) -> float:
+    h, h_kv, f = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    tokens = s * b / (t * cp)
+    if mode == "none":
+        return tokens * (12 * h + 4 * h_kv + 8 * f)
+    if mode == "selective_op":
+        return tokens * (10 * h + 4 * h_kv + 4 * f)
+    if mode == "full":
+        return tokens * 2 * h
+    raise ValueError(mode)
+
+
+def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, every_n_layers: int,
+                     layers_on_rank: int, has_output: bool, pp_microbatches: int, stages_per_rank: int
+                     ) -> dict[str, Any]:
+    t, cp, p, v = dims.tp, dims.cp, dims.pp, stages_per_rank
+    s, b = seq_len, micro_batch
+    if mode == "selective_layer":
+        n_ckpt = (layers_on_rank + every_n_layers - 1) // every_n_layers
+        mixed = (n_ckpt * per_block_activation_bytes(args, s, b, t, cp, "full")
+                 + (layers_on_rank - n_ckpt) * per_block_activation_bytes(args, s, b, t, cp, "none"))
+        per_block = mixed / max(layers_on_rank, 1)
+    else:
+        per_block = per_block_activation_bytes(args, s, b, t, cp, mode)
+    if p > 1:
+        # blocks' worth of activations held at the peak by the first pipeline rank
+        in_flight = args.n_layers * ((1 + (p - 1) / (p * v)) if v > 1 else 1.0)
+        in_flight = min(in_flight, layers_on_rank * pp_microbatches)  # at most m micro-batches per block
+    else:
+        in_flight = layers_on_rank
+    blocks = per_block * in_flight
+    recompute_peak = per_block_activation_bytes(args, s, b, t, cp, "none") if mode != "none" else 0.0
+    embedding = 2 * s * b * args.dim / (t * cp)
+    loss = 8 * s * b * args.vocab_size / (t * cp) if has_output else 0.0
+    total = blocks + recompute_peak + embedding + loss
+    return {"total": int(total), "blocks": int(blocks), "blocks_in_flight": in_flight,
+            "per_block": int(per_block), "recompute_peak": int(recompute_peak), "embedding": int(embedding),
+            "loss": int(loss), "micro_batch": b, "mode": mode}
+
+
+def fsdp_buffer_bytes(layout, dims, precision: str, reshard_after_forward: bool) -> int:
+    """Transient unsharded parameters/gradients FSDP holds (not counted by the sharded tensors).
+
+    Under PP the strategy forces reshard_after_forward=False: every unit of the rank's stages stays
+    all-gathered from forward to backward. Otherwise two units are gathered at a time (current +
+    prefetched) and one unit's full-size fp32 gradient exists before its reduce-scatter.
+    """
+    if not layout.fsdp_applied or dims.fsdp_size == 1:
+        return 0
+    gather = 4 if precision == "32-true" else 2
+    grad = 2 if precision == "bf16-true" else 4
+    if dims.pp > 1 or not reshard_after_forward:
+        return int(layout.local_numel * dims.fsdp_size * gather + layout.largest_unit_numel * grad)
+    return int(2 * layout.largest_unit_numel * gather + layout.largest_unit_numel * grad)
+
+
+def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: int, global_batch: int,
+              micro_batch: int, pp_microbatches: int, stages_per_rank: int, ac_mode: str,
+              reshard_after_forward: bool, precision: str) -> dict[str, Any]:
+    """A deliberately simple bound: compute, exposed communication, pipeline bubble.
+
+    compute   = model FLOPs of the rank's share of the step * recompute factor / (peak * efficiency)
+    fsdp_comm = (all-gathers + reduce-scatter) * (n-1)/n * unsharded bytes / bandwidth of the slowest
+                link the dp_shard*cp group spans; overlapped with compute (prefetch) -> max(compute, comm)
+    tp_comm   = per block and micro-batch 4 collectives forward, 4 backward (+4 when recomputed), each
+                (t-1)/t * 2*s*b*h bytes over NVLink (or IB if the TP group spans nodes); exposed
+    cp_comm   = K/V all-gather per block, forward + backward, exposed
+    bubble    = (p-1)/(m*v + p-1) of the pipelined time; step = (max(compute, fsdp) + tp + cp) / (1 - bubble)
+    """
+    peak = float(cluster.get("peak_bf16_tflops") or 0) * 1e12
+    intra = float(cluster.get("intra_node_gbps") or 0) * 1e9
+    inter = float(cluster.get("inter_node_gbps") or 0) * 1e9
+    per_node = int(cluster.get("gpus_per_node") or cluster.get("devices") or 1)
+    if not peak or not intra:
+        return {"available": False, "why": "cluster profile lacks peak_bf16_tflops / intra_node_gbps"}
+
+    def bandwidth(span: int) -> float:
+        return (intra if span <= per_node or not inter else inter) * COMM_EFFICIENCY
+
+    tokens_step = global_batch * seq_len
+    recompute = {"none": 1.0, "selective_op": 1.0, "full": 4 / 3}.get(ac_mode, 1.0)
+    if ac_mode == "selective_layer":
+        recompute = 1 + (1 / 3) / 2
+    rank_flops = flops_per_token * tokens_step / dims.world_size
+    compute_s = rank_flops * recompute / (peak * COMPUTE_EFFICIENCY)
+
+    dp_local = global_batch // dims.dp  # sequences per dp rank per step
+    accumulation = max(dp_local // micro_batch, 1)
+    # FSDP: the dp_shard_cp group is strided by tp (tp innermost), so it spans fsdp*tp consecutive ranks
+    n = dims.fsdp_size
+    fsdp_s = 0.0
+    if layout.fsdp_applied and n > 1:
+        gather_bytes = layout.local_numel * n * (4 if precision == "32-true" else 2)
+        grad_bytes = layout.local_numel * n * (2 if precision == "bf16-true" else 4)
+        gathers = accumulation * (1 if dims.pp > 1 or not reshard_after_forward else 2)
+        volume = (n - 1) / n * (gathers * gather_bytes + grad_bytes)
+        fsdp_s = volume / bandwidth(n * dims.tp)
+    # TP (+SP): 4 collectives per block forward (2 all-gather, 2 reduce-scatter), 4 backward
+    tp_s = 0.0
+    if dims.tp > 1:
+        per_coll = (dims.tp - 1) / dims.tp * 2 * dp_local * seq_len / dims.cp * args.dim
+        colls = 8 + (4 if ac_mode == "full" else 0)
+        tp_s = layout.layers_on_rank * colls * per_coll / bandwidth(dims.tp)
+    cp_s = 0.0
+    if dims.cp > 1:
+        kv = 2 * 2 * dp_local * seq_len * args.kv_heads * args.head_dim / dims.tp  # k and v, bf16, full seq
+        cp_s = layout.layers_on_rank * 2 * (dims.cp - 1) / dims.cp * kv / bandwidth(dims.cp * dims.tp)
+    bubble = 0.0
+    if dims.pp > 1:
+        m, p, v = pp_microbatches, dims.pp, stages_per_rank
+        bubble = (p - 1) / (m * v + p - 1)
+    busy = max(compute_s, fsdp_s) + tp_s + cp_s
+    step_s = busy / (1 - bubble)
+    mfu = rank_flops / (step_s * peak)
+    return {"available": True, "step_s": step_s, "compute_s": compute_s, "fsdp_comm_s": fsdp_s, "tp_comm_s": tp_s,
+            "cp_comm_s": cp_s, "pp_bubble_fraction": bubble, "recompute_factor": recompute,
+            "tokens_per_step": tokens_step, "tokens_per_sec_per_device": tokens_step / step_s / dims.world_size,
+            "mfu_bound": mfu, "gradient_accumulation": accumulation,
+            "fsdp_link": "nvlink" if n * dims.tp <= per_node else "infiniband",
+            "tp_link": "nvlink" if dims.tp <= per_node else "infiniband"}

@@ -1,0 +1,151 @@
+"""The dry-run planner: TitanStrategy.parallelize on a meta model over a fake process group."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import run_job
+
+from lit_titan.planner import REQUIRED_KEYS
+
+ROOT = Path(__file__).resolve().parents[1]
+PER_RANK_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes")
+
+
+@pytest.fixture(scope="module")
+def plan_405b(tmp_path_factory):
+    """The 405B recipe on 512 H100s through the CLI, timed end to end (interpreter start included)."""
+    run_dir = tmp_path_factory.mktemp("plan405")
+    start = time.perf_counter()
+    proc = run_job([sys.executable, "-m", "lit_titan.plan", "+recipe=llama3_405b_h100_512",
+                           f"run_dir={run_dir}"], cwd=ROOT, timeout=120)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fits:" in proc.stdout
+    return json.loads((run_dir / "plan.json").read_text()), elapsed
+
+
+def test_405b_on_512_recipe(plan_405b):
+    plan, elapsed = plan_405b
+    assert elapsed < 60, f"405B plan took {elapsed:.1f} s"
+    for key in REQUIRED_KEYS:
+        assert key in plan
+    for key in PER_RANK_KEYS:
+        assert isinstance(plan["per_rank"][key], int) and plan["per_rank"][key] > 0
+    assert plan["world_size"] == 512
+    assert plan["mesh"] == {"pp": 8, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 8}
+    assert plan["params_total"] == 405_853_388_800
+    assert isinstance(plan["fits"], bool)
+    assert plan["flops_per_token"] > 6 * 400e9
+    pr = plan["per_rank"]
+    assert pr["total_bytes"] == sum(pr[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
+                                                     "activation_bytes", "fsdp_buffer_bytes"))
+    # fp32 master weights, grads alike, AdamW two fp32 states
+    assert pr["param_dtype"] == "float32"
+    assert pr["param_bytes"] == 4 * pr["param_numel"]
+    assert pr["grad_bytes"] == pr["param_bytes"] and pr["optimizer_bytes"] == 2 * pr["param_bytes"]
+    # The pipeline split covers the model exactly once.
+    stages = plan["per_pp_rank"]
+    assert sum(s["params_unsharded"] for s in stages) == plan["params_total"]
+    assert sum(s["layers"] for s in stages) == 126
+    # Rank 0's sharded tensors: its stages' parameters / (dp_shard * tp), except the RMSNorm weights,
+    # which sequence parallel keeps replicated over tp (sharded by FSDP only). Exact.
+    dim, fsdp, tp = 16384, 8, 8
+    norms = stages[0]["layers"] * 2 * dim
+    assert pr["param_numel"] == (stages[0]["params_unsharded"] - norms) // (fsdp * tp) + norms // fsdp
+    # ... and within the pipeline's imbalance (rank 0: 15 of 126 blocks + embedding) of the even split.
+    even = plan["params_total"] * 4 / (fsdp * tp * 8)
+    assert abs(pr["param_bytes"] - even) / even < 0.03
+
+
+def test_405b_placements_come_from_titan_strategy(plan_405b):
+    """TP (colwise wq / rowwise w2) then FSDP dim-0 sharding, as TitanStrategy.parallelize applies them."""
+    plan, _ = plan_405b
+    ex = plan["per_rank"]["example_parameters"]
+    wq = ex["layers.0.attention.wq.weight"]
+    assert wq["global_shape"] == [16384, 16384]
+    assert wq["local_shape"] == [16384 // 8 // 8, 16384]  # dim / tp / dp_shard
+    assert wq["placements"][-1] == "S(0)"  # ColwiseParallel on the tp dim
+    w2 = ex["layers.0.feed_forward.w2.weight"]
+    assert w2["local_shape"] == [16384 // 8, 53248 // 8]  # FSDP on dim 0, RowwiseParallel on dim 1
+    assert w2["placements"] == ["S(0)", "S(1)"]
+    assert plan["pipeline"] == {"schedule": "Interleaved1F1B", "stages_per_rank": 2, "microbatches": 32,
+                                "num_stages": 16}
+    assert plan["per_rank"]["stage_ids"] == [0, 8]
+    assert plan["transforms"]["activation_checkpointing"] == "full"
+    assert plan["transforms"]["float8_linears"] > 0
+    assert 0 < plan["perf"]["mfu_bound"] < 1
+
+
+def test_8b_on_one_node_fits(tmp_path):
+    from lit_titan.plan import make_plan
+
+    plan = make_plan(["+recipe=llama3_8b_h100_8", "data.micro_batch_size=1", "data.global_batch_size=8",
+                      f"run_dir={tmp_path}"])
+    assert plan["fits"] is True, plan["reasons"]
+    assert plan["mesh"]["dp_shard"] == 8 and plan["world_size"] == 8
+    assert plan["params_total"] == 8_030_261_248
+    assert plan["per_rank"]["param_bytes"] == plan["params_total"] * 4 // 8  # every dim divides by 8
+    assert json.loads((tmp_path / "plan.json").read_text())["fits"] is True
+
+
+def test_405b_on_one_node_does_not_fit(tmp_path):
+    from lit_titan.plan import make_plan
+
+    plan = make_plan(["model=llama3_405b", "cluster=h100_8", "data.seq_len=8192", "data.global_batch_size=8",
+                      f"run_dir={tmp_path}"])
+    assert plan["fits"] is False
+    assert any("memory" in r for r in plan["reasons"])
+    assert plan["per_rank"]["total_bytes"] > 80 * 1024**3
+
+
+def test_invalid_layouts_are_reasons_not_crashes(tmp_path):
+    from lit_titan.plan import make_plan
+
+    # tp=16 does not divide Llama 3.1's 8 kv heads
+    plan = make_plan(["model=llama3_70b", "cluster=h100_128", "parallel.tp=16", "data.seq_len=8192",
+                      "data.global_batch_size=64", f"run_dir={tmp_path}"])
+    assert plan["fits"] is False
+    assert any("n_kv_heads=8" in r for r in plan["reasons"])
+    # degrees that do not multiply to the world size: no mesh can be built, still a plan
+    plan = make_plan(["model=llama3_8b", "cluster=h100_64", "parallel.tp=8", "parallel.dp_shard=3",
+                      "data.seq_len=8192", "data.global_batch_size=64", f"run_dir={tmp_path}"])
+    assert plan["fits"] is False
+    assert any("world size is 64" in r for r in plan["reasons"])
+    assert plan["per_rank"]["total_bytes"] is None
+
+
+RECIPES = sorted(p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_shipped_recipe_plans_and_fits(recipe, tmp_path):
+    from lit_titan.plan import make_plan
+
+    plan = make_plan([f"+recipe={recipe}", f"run_dir={tmp_path}"])
+    assert plan["fits"] is True and not plan["reasons"], plan["reasons"]
+    mesh = plan["mesh"]
+    # Analytic: rank 0's pipeline share of the parameters, fp32, split over FSDP (dp_shard x cp)
+    # and TP; the sharded tensors also keep norm weights whole on each TP rank (well under 1%).
+    unsharded = plan["per_pp_rank"][0]["params_unsharded"] if mesh["pp"] > 1 else plan["params_total"]
+    analytic = unsharded * 4 / (mesh["dp_shard"] * mesh["cp"] * mesh["tp"])
+    assert abs(plan["per_rank"]["param_bytes"] - analytic) / analytic < 0.01
+
+
+def test_launch_dry_run_prints_the_profile_command(tmp_path):
+    one_node = run_job([sys.executable, "-m", "lit_titan.launch", "--dry-run", "+recipe=llama3_8b_h100_8"], cwd=ROOT,
+                       timeout=120)
+    assert one_node.returncode == 0, one_node.stderr[-2000:]
+    assert one_node.stdout.startswith("torchrun --nnodes=1 --nproc_per_node=8")
+    assert "-m lit_titan.train +recipe=llama3_8b_h100_8" in one_node.stdout
+    fleet = run_job([sys.executable, "-m", "lit_titan.launch", "--dry-run", "+recipe=llama3_405b_h100_512"],
+                    cwd=ROOT, timeout=120)
+    assert "#SBATCH --nodes=64" in fleet.stdout and "srun python -m lit_titan.train" in fleet.stdout
+    bad = run_job([sys.executable, "-m", "lit_titan.launch", "--dry-run", "cluster=h100_8", "parallel.tp=3"],
+                  cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "lit-titan: error:" in bad.stderr
