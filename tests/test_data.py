@@ -506,7 +506,7 @@ def test_val_split_by_file_disjoint_deterministic(data_dir: Path, tmp_path: Path
 def test_val_batches_deterministic_and_seed_independent(data_dir: Path) -> None:
     a = val_batches(make_dm(data_dir, seed=1))
     b = val_batches(make_dm(data_dir, seed=2, shuffle=True))
-    assert len(a) >= 4 and all(x.shape == (4, SEQ + 1) and x.dtype == torch.long for x in a)
+    assert len(a) >= 2 and all(x.shape == (4, SEQ + 1) and x.dtype == torch.long for x in a)
     assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
     dm = make_dm(data_dir, seed=1)
     dm.setup("fit")
