@@ -88,6 +88,14 @@ class AllGatherKVAttention(nn.Module):
         self.group = group
         self.cp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # Reorder index per (seq_len, device): built once, not copied to the device every call.
+        self._order: dict[tuple[int, torch.device], Tensor] = {}
+
+    def _gathered_order(self, seq_len: int, device: torch.device) -> Tensor:
+        key = (seq_len, device)
+        if key not in self._order:
+            self._order[key] = _gathered_to_original_cpu(seq_len, self.cp).to(device)
+        return self._order[key]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         from torch.nn.attention.bias import causal_lower_right
@@ -98,7 +106,7 @@ class AllGatherKVAttention(nn.Module):
         # K/V are gathered before the grouped-query repeat: n_rep times fewer bytes on the wire.
         chunk = q.shape[2] // 2
         seq_len = q.shape[2] * self.cp
-        order = _gathered_to_original_cpu(seq_len, self.cp).to(q.device)
+        order = self._gathered_order(seq_len, q.device)
         n_rep = q.shape[1] // k.shape[1]
         k = repeat_kv(_AllGatherSeq.apply(k, self.group, 2).index_select(2, order), n_rep)
         v = repeat_kv(_AllGatherSeq.apply(v, self.group, 2).index_select(2, order), n_rep)
