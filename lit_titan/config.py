@@ -78,6 +78,10 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     if seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len={seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
                           f"{cfg.model.name}; lower data.seq_len or raise model.max_seq_len")
+    if cfg.model.get("init_from_hf"):
+        from lit_titan.models.llama3.hf import check_hf_dir
+
+        check_hf_dir(str(cfg.model.init_from_hf), args)  # FileNotFoundError / ConfigError naming the fix
     if int(cfg.trainer.max_steps) < 1:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
     dims = parallel_dims(cfg)

@@ -32,15 +32,17 @@ class PretrainModule(L.LightningModule):
         model_overrides: dict[str, Any] | None = None,
         optim: OptimConfig | dict[str, Any] | None = None,
         seed: int = 0,
+        init_from_hf: str | None = None,
     ) -> None:
         super().__init__()
         if isinstance(optim, dict) or optim is None:
             optim = _optim_config(optim or {})
         self.save_hyperparameters({"model": model, "model_overrides": dict(model_overrides or {}),
-                                   "optim": asdict(optim), "seed": seed})
+                                   "optim": asdict(optim), "seed": seed, "init_from_hf": init_from_hf})
         self.model_args = get_flavor(model, **dict(model_overrides or {}))
         self.optim_config = optim
         self.seed = seed
+        self.init_from_hf = init_from_hf
         self.model: nn.Module | None = None
         self._step_loss = torch.zeros(())
         self._micro_batches = 0
@@ -76,6 +78,18 @@ class PretrainModule(L.LightningModule):
         if not getattr(self.trainer.strategy, "owns_parallelization", False):
             self.model.to_empty(device=self.trainer.strategy.root_device)
             self.model.init_weights(self.seed)
+            self.load_initial_weights()
+
+    def load_initial_weights(self) -> None:
+        """Called once the (possibly sharded) model holds its seeded init: start from given weights.
+
+        Under TitanStrategy this runs after parallelisation and materialisation, so it must load
+        into FSDP/TP/PP-sharded parameters. A resumed run overwrites these weights afterwards.
+        """
+        if self.init_from_hf:
+            from lit_titan.models.llama3.hf import load_hf_weights
+
+            load_hf_weights(self.model, self.init_from_hf)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = self.build_optimizer()

@@ -115,7 +115,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     datamodule = _instantiate(cfg.data, data_dir=os.path.expanduser(str(cfg.data.data_dir)),
                               model_vocab_size=args.vocab_size, _convert_="all")
     module = PretrainModule(model=cfg.model.name, model_overrides=model_overrides(cfg),
-                            optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=int(cfg.seed))
+                            optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=int(cfg.seed),
+                            init_from_hf=cfg.model.get("init_from_hf"))
 
     global_batch = int(cfg.data.global_batch_size)
     micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)

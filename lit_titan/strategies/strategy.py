@@ -165,6 +165,8 @@ class TitanStrategy(ModelParallelStrategy):
         model, self._views = self.parallelize(model, precision)
         module.model = model  # under PP: this rank's stages only, original parameter names
         self.materialize(model, seed=getattr(module, "seed", 0))
+        if hasattr(module, "load_initial_weights"):
+            module.load_initial_weights()  # e.g. model.init_from_hf, into the sharded parameters
         if self.parallel_dims.pp > 1:
             share_root_buffers(model, self._views)
             self.pipeline = PipelineRunner(self._views, self._stage_ids, self._num_stages, self.pipeline_config,
