@@ -149,3 +149,34 @@ def test_launch_dry_run_prints_the_profile_command(tmp_path):
     bad = run_job([sys.executable, "-m", "lit_titan.launch", "--dry-run", "cluster=h100_8", "parallel.tp=3"],
                   cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "lit-titan: error:" in bad.stderr
+
+
+@pytest.mark.slow
+def test_a_plan_change_shows_in_planner_and_training(tmp_path):
+    """Planner and training parallelise through the same code: swap the embedding's TP style in the
+    model plan (tests/scripts/plan_change.py) and both report the new placement; the stock planner
+    still reports the old one. Training runs for real: 4 gloo processes, dp2 x tp2."""
+    from helpers import TINY
+
+    script = Path(__file__).parent / "scripts" / "plan_change.py"
+    layout = [*TINY, "cluster.devices=4", "parallel.tp=2", "trainer.max_steps=1", "checkpoint.enabled=false"]
+    stock = _plan_examples(layout, tmp_path)
+    out = {}
+    for mode in ("plan", "train"):
+        out[mode] = tmp_path / f"{mode}.json"
+        proc = run_job([sys.executable, str(script), mode, str(out[mode]), *layout, f"run_dir={tmp_path / mode}"],
+                       timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    planned, trained = (json.loads(out[m].read_text()) for m in ("plan", "train"))
+    emb = "tok_embeddings.weight"
+    assert stock[emb]["placements"][-1] == "S(0)"  # RowwiseParallel: the vocabulary on tp
+    assert planned[emb]["placements"][-1] == "S(1)"  # the changed plan: the embedding dim on tp
+    for name, got in planned.items():  # every example the planner reports is what training built
+        assert trained[name] == {k: got[k] for k in ("placements", "local_shape")}, name
+    assert planned[emb]["local_shape"] != stock[emb]["local_shape"]
+
+
+def _plan_examples(overrides: list[str], tmp_path: Path) -> dict:
+    from lit_titan.plan import make_plan
+
+    return make_plan([*overrides, f"run_dir={tmp_path / 'stock'}"], write=False)["per_rank"]["example_parameters"]

@@ -3,10 +3,7 @@ fake process group, and read the per-rank layout off the resulting sharded tenso
 
 No accelerator, no real communication: torch's ``fake`` backend (``FakeStore``) answers every
 collective locally, so a 512-rank mesh can be built in one CPU process. Rank 0's view is built.
-
-Workaround (see docs/planner.md): ``TitanStrategy.setup_environment`` needs a Lightning trainer and
-a real cluster environment, so the planner sets the attributes ``parallelize`` reads
-(``parallel_dims``, ``_device_mesh``, ``mesh_views``) itself, exactly as ``setup_environment`` does.
+The mesh comes from ``TitanStrategy.init_layout``, which training's ``setup_environment`` calls too.
 """
 
 from __future__ import annotations
@@ -97,13 +94,7 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
 
     strategy = build_strategy(cfg)  # the same constructor call as lit_titan.train
     with fake_process_group(dims.world_size):
-        # What TitanStrategy.setup_environment does, minus Lightning's cluster environment.
-        strategy.parallel_dims = dims
-        strategy._device_mesh, strategy.mesh_views = dims.build_mesh("cpu")
-        if dims.cp > 1:
-            from lit_titan.strategies.context_parallel import ContextParallel
-
-            strategy.context_parallel = ContextParallel(strategy._device_mesh["cp"].get_group())
+        strategy.init_layout(dims, "cpu")  # what setup_environment does after its process group exists
         info = _register_callbacks(strategy, callbacks)
 
         with torch.device("meta"):
@@ -130,13 +121,16 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
         rank_model, views = strategy.parallelize(model, str(cfg.precision))
 
         local_numel, local_bytes, dtype = 0, 0, torch.float32
-        examples: dict[str, dict[str, Any]] = {}
+        examples: dict[str, dict[str, Any]] = {}  # the first embedding, wq and w2 that rank 0 holds
+        kinds = ["tok_embeddings.weight", "attention.wq.weight", "feed_forward.w2.weight"]
         for name, p in rank_model.named_parameters():
             loc = _local(p)
             local_numel += loc.numel()
             local_bytes += loc.numel() * loc.element_size()
             dtype = loc.dtype
-            if name.endswith(("attention.wq.weight", "feed_forward.w2.weight")) and len(examples) < 2:
+            kind = next((k for k in kinds if name.endswith(k)), None)
+            if kind is not None:
+                kinds.remove(kind)
                 examples[name] = {"global_shape": list(p.shape), "local_shape": list(loc.shape),
                                   "placements": [str(pl) for pl in getattr(p, "placements", ())]}
         # FSDP units and their all-gathered size (over dp_shard*cp; still TP-sharded), bf16.
@@ -151,8 +145,8 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
         f8 = info["float8"]
         return ShardedLayout(
             params_total=params_total, local_numel=local_numel, local_param_bytes=local_bytes, param_dtype=dtype,
-            fsdp_applied=strategy._fsdp_applied, layers_on_rank=layers,
-            stage_ids=list(getattr(strategy, "_stage_ids", [0])), num_stages=getattr(strategy, "_num_stages", 1),
+            fsdp_applied=strategy.fsdp_applied, layers_on_rank=layers,
+            stage_ids=list(strategy.stage_ids), num_stages=strategy.num_stages,
             unsharded_bf16_bytes=local_numel * fsdp * 2, largest_unit_numel=largest, examples=examples,
             pp_rank_numel=pp_numel, pp_rank_layers=pp_layers, pp_rank_has_output=pp_out,
             ac_mode=info["ac_mode"], ac_every_n_layers=info["ac_every_n_layers"],

@@ -89,7 +89,10 @@ class TitanStrategy(ModelParallelStrategy):
         self._views: list[nn.Module] = []
         self.parallel_dims: ParallelDims | None = None
         self._transforms: dict[str, list[Transform]] = {slot: [] for slot in TRANSFORM_SLOTS}
-        self._fsdp_applied = False
+        # Set by parallelize(): whether FSDP wraps the model, and this rank's pipeline stages.
+        self.fsdp_applied = False
+        self.stage_ids: list[int] = [0]
+        self.num_stages = 1
         self.mesh_views: dict = {}
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -146,11 +149,20 @@ class TitanStrategy(ModelParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
         self._owns_process_group = not torch.distributed.is_initialized()
         self._setup_distributed()
-        self._device_mesh, self.mesh_views = self.parallel_dims.build_mesh(self.root_device.type)
-        if self.parallel_dims.cp > 1:
-            self.context_parallel = ContextParallel(self._device_mesh["cp"].get_group())
+        self.init_layout(self.parallel_dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def init_layout(self, dims: ParallelDims, device_type: str) -> None:
+        """Mesh, its flattened views and the CP engine over the live process group.
+
+        Training calls this from ``setup_environment``; the planner calls it over a fake process
+        group of the fleet's world size, so both parallelise through the same state.
+        """
+        self.parallel_dims = dims
+        self._device_mesh, self.mesh_views = dims.build_mesh(device_type)
+        if dims.cp > 1:
+            self.context_parallel = ContextParallel(self._device_mesh["cp"].get_group())
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -169,9 +181,9 @@ class TitanStrategy(ModelParallelStrategy):
             module.load_initial_weights()  # e.g. model.init_from_hf, into the sharded parameters
         if self.parallel_dims.pp > 1:
             share_root_buffers(model, self._views)
-            self.pipeline = PipelineRunner(self._views, self._stage_ids, self._num_stages, self.pipeline_config,
+            self.pipeline = PipelineRunner(self._views, self.stage_ids, self.num_stages, self.pipeline_config,
                                            self.device_mesh["pp"].get_group(), self.root_device)
-        if self._fsdp_applied and precision == "bf16-mixed":
+        if self.fsdp_applied and precision == "bf16-mixed":
             # FSDP's MixedPrecisionPolicy already computes in bf16 with fp32 master weights and
             # reductions; Lightning's autocast on top would only add casts.
             self.precision_plugin = Precision()
@@ -214,7 +226,7 @@ class TitanStrategy(ModelParallelStrategy):
                 fsdp_mesh = (mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1
                              else self.mesh_views["dp_shard_cp"])
                 apply_fsdp(plan.fsdp_units(view), view, fsdp_mesh, precision, fsdp_config)
-                self._fsdp_applied = True
+                self.fsdp_applied = True
         return model, views
 
     def _split_pipeline(self, model: nn.Module, plan: ParallelPlan) -> tuple[nn.Module, list[nn.Module]]:
@@ -222,11 +234,11 @@ class TitanStrategy(ModelParallelStrategy):
             raise TypeError(f"the ParallelPlan of {type(model).__name__} defines no pipeline_units; "
                             f"pipeline parallelism (parallel.pp > 1) needs them")
         cfg, dims = self.pipeline_config, self.parallel_dims
-        self._num_stages = dims.pp * cfg.per_rank
+        self.num_stages = dims.pp * cfg.per_rank
         units = plan.pipeline_units(model)
-        names = split_units(units, self._num_stages, cfg.stages)
-        self._stage_ids = stage_ids(self.device_mesh["pp"].get_local_rank(), dims.pp, cfg)
-        return build_rank_model(model, units, [names[i] for i in self._stage_ids])
+        names = split_units(units, self.num_stages, cfg.stages)
+        self.stage_ids = stage_ids(self.device_mesh["pp"].get_local_rank(), dims.pp, cfg)
+        return build_rank_model(model, units, [names[i] for i in self.stage_ids])
 
     def materialize(self, model: nn.Module, seed: int) -> None:
         """meta -> real storage, then the model's seeded, layout-independent init."""
