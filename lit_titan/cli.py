@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import sys
 
-COMMANDS = {"train": "lit_titan.train", "plan": "lit_titan.plan", "launch": "lit_titan.launch"}
+COMMANDS = {"train": "lit_titan.train", "plan": "lit_titan.plan", "launch": "lit_titan.launch",
+            "export": "lit_titan.export"}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: lit-titan {{{','.join(COMMANDS)}}} [hydra overrides...]", file=sys.stderr)
+        print(f"usage: lit-titan {{{','.join(COMMANDS)}}} [arguments...]", file=sys.stderr)
         sys.exit(2)
     os.execv(sys.executable, [sys.executable, "-m", COMMANDS[argv[0]], *argv[1:]])
 

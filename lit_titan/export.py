@@ -1,0 +1,251 @@
+"""``python -m lit_titan.export CHECKPOINT_DIR OUT_DIR``: a training checkpoint as a Hugging Face Llama.
+
+Writes ``config.json`` and the weights as safetensors (``model.safetensors``, or
+``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` past ``--max-shard-size``)
+that ``transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)`` loads, and that training can start
+from with ``model.init_from_hf=OUT_DIR``.
+
+    python -m lit_titan.export runs/my-run/checkpoints/step-000100 hf/my-model
+    python -m lit_titan.export CKPT OUT --dtype bf16 --max-shard-size 2GB
+    python -m lit_titan.export CKPT OUT --model llama3_debug model.dim=64 model.n_layers=2
+
+The model's shape comes from the run's ``config.yaml`` (``<run_dir>/config.yaml``, beside
+``<run_dir>/checkpoints/``), or from ``--model FLAVOR [model.KEY=VALUE ...]``. One process, no
+process group: only the model tensors are read (never the optimizer state), one output shard at a
+time, so memory stays near one shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_titan.config import ConfigError
+from lit_titan.models.init import canonical_name
+from lit_titan.models.llama3 import ModelArgs
+from lit_titan.models.llama3 import hf
+
+MODEL_PREFIX = "state_dict.model."  # where Lightning's DCP checkpoints keep the model's weights
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}
+
+
+class ExportError(ValueError):
+    """Input the export cannot use; the message names the fix."""
+
+
+USER_ERRORS = (ExportError, ConfigError, FileNotFoundError)
+
+
+# ---- reading the checkpoint ----------------------------------------------------------------------
+def check_checkpoint(ckpt: Path) -> None:
+    if not ckpt.exists():
+        raise FileNotFoundError(f"checkpoint {ckpt} does not exist; pass a checkpoint directory such as "
+                                f"<run_dir>/checkpoints/step-XXXXXX")
+    if not ckpt.is_dir():
+        raise ExportError(f"{ckpt} is not a sharded (DCP) checkpoint directory written by lit-titan training")
+    if not (ckpt / ".metadata").is_file():
+        raise ExportError(f"{ckpt} is not a complete checkpoint (no .metadata: the save was interrupted?); "
+                          f"choose another checkpoint in {ckpt.parent}")
+
+
+def model_tensor_metadata(ckpt: Path) -> dict[str, tuple[str, Any]]:
+    """Our parameter name -> (its DCP key, its TensorStorageMetadata); optimizer state is skipped."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = _reader(ckpt).read_metadata()
+    except Exception as err:  # noqa: BLE001 - any unreadable .metadata means "not a checkpoint"
+        raise ExportError(f"{ckpt}/.metadata is not a readable DCP checkpoint ({type(err).__name__})") from err
+    found = {canonical_name(k[len(MODEL_PREFIX):]): (k, m) for k, m in metadata.state_dict_metadata.items()
+             if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
+    if not found:
+        raise ExportError(f"{ckpt} holds no model weights (no '{MODEL_PREFIX}*' tensors)")
+    return found
+
+
+def load_tensors(ckpt: Path, wanted: dict[str, tuple[str, Any]]) -> dict[str, torch.Tensor]:
+    """Read the full tensors named in ``wanted`` (our name -> (DCP key, metadata)), in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    buffers = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in wanted.values()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(buffers, storage_reader=_reader(ckpt), no_dist=True)
+    return {name: buffers[key] for name, (key, _) in wanted.items()}
+
+
+def _reader(ckpt: Path) -> Any:
+    """DCP's reader, with lit-titan's allow-list unpickler for ``.metadata`` where it exists."""
+    try:
+        from lit_titan.checkpoint.layout import SafeFileSystemReader as Reader
+    except ImportError:
+        from torch.distributed.checkpoint import FileSystemReader as Reader
+    return Reader(str(ckpt))
+
+
+# ---- the model config ----------------------------------------------------------------------------
+def resolve_model_args(ckpt: Path, flavor: str | None, overrides: list[str]) -> ModelArgs:
+    """From ``--model FLAVOR`` (+ overrides), else the run's ``config.yaml`` (+ overrides)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from lit_titan.config import compose, model_args
+
+    bad = [o for o in overrides if not re.fullmatch(r"model\.\w+=.*", o)]
+    if bad:
+        raise ExportError(f"unexpected argument(s) {bad}; only model.KEY=VALUE overrides may follow OUT_DIR")
+    if flavor:
+        cfg = compose([f"model={flavor}", *overrides])
+    else:
+        config_yaml = ckpt.resolve().parent.parent / "config.yaml"
+        if not config_yaml.is_file():
+            raise FileNotFoundError(f"no run config at {config_yaml} (train.py writes <run_dir>/config.yaml); "
+                                    f"pass the model: --model FLAVOR [model.KEY=VALUE ...]")
+        try:
+            cfg = OmegaConf.merge(OmegaConf.load(config_yaml), OmegaConf.from_dotlist(overrides))
+        except (OmegaConfBaseException, ValueError) as err:
+            raise ExportError(f"cannot read the model config from {config_yaml}: {err}") from err
+    try:
+        return model_args(cfg)
+    except (ValueError, OmegaConfBaseException) as err:
+        raise ConfigError(str(err)) from err
+
+
+def check_shapes(tensors: dict[str, tuple[str, Any]], args: ModelArgs) -> None:
+    """The checkpoint holds exactly the model's parameters, with its shapes."""
+    expected = hf.param_shapes(args)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    wrong = [f"{n} {list(tensors[n][1].size)} vs {list(s)}" for n, s in expected.items()
+             if n in tensors and tuple(tensors[n][1].size) != s]
+    if missing or extra or wrong:
+        detail = "; ".join(part for part in (
+            f"missing {missing[:4]}" if missing else "", f"unexpected {extra[:4]}" if extra else "",
+            f"shapes (checkpoint vs config) {wrong[:4]}" if wrong else "") if part)
+        raise ExportError(f"the checkpoint does not match the model config ({detail}); "
+                          f"pass the run's model: --model FLAVOR model.KEY=VALUE ...")
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """'5GB', '500MiB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
+    if not match or match.group(2) not in _UNITS or float(match.group(1)) <= 0:
+        raise ExportError(f"--max-shard-size={text!r} is not a size; use e.g. 5GB, 500MB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def write_hf_dir(ckpt: Path, out: Path, tensors: dict[str, tuple[str, Any]], args: ModelArgs,
+                 dtype: torch.dtype, max_shard_bytes: int) -> None:
+    """Shards planned from the metadata, then read, converted and written one at a time."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    order = list(hf.param_shapes(args))  # the model's own order: embedding, layers, norm, head
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = {n: tensors[n][1].size.numel() * itemsize for n in order}
+    shards = hf.plan_shards(sizes, max_shard_bytes)
+    names = hf.shard_names(len(shards))
+    weight_map: dict[str, str] = {}
+    for shard, filename in zip(shards, names):
+        full = load_tensors(ckpt, {n: tensors[n] for n in shard})
+        converted = dict(hf.iter_hf_tensors(full, args, dtype))
+        save_file(converted, str(out / filename), metadata={"format": "pt"})
+        _chmod_default(out / filename)
+        weight_map.update({k: filename for k in converted})
+        del full, converted
+    if len(shards) > 1:
+        hf.write_index(out, weight_map, sum(sizes.values()))
+    (out / hf.CONFIG_FILE).write_text(json.dumps(hf.hf_config(args, dtype), indent=2) + "\n")
+
+
+def _chmod_default(path: Path) -> None:
+    """safetensors creates files owner-only (0600); give them the usual umask-based mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"OUT_DIR {out} is a file; choose a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"OUT_DIR {out} is not empty; choose a new directory or pass --overwrite")
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished export into place, so OUT_DIR never holds a half-written model."""
+    if out.is_dir():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype = torch.float32,
+                      max_shard_bytes: int = 5 * 10**9, model: str | None = None,
+                      overrides: tuple[str, ...] | list[str] = (), overwrite: bool = False) -> Path:
+    """Library entry point: every input is checked before anything is written."""
+    ckpt, out = Path(ckpt).expanduser(), Path(out).expanduser().resolve()
+    check_checkpoint(ckpt)
+    tensors = model_tensor_metadata(ckpt)
+    args = resolve_model_args(ckpt, model, list(overrides))
+    check_shapes(tensors, args)
+    _prepare_out(out, overwrite)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_hf_dir(ckpt, tmp, tensors, args, dtype, max_shard_bytes)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ---- command line --------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every lit-titan entry point
+        raise ExportError(f"{message} (usage: python -m lit_titan.export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16] "
+                          f"[--max-shard-size 5GB] [--model FLAVOR model.KEY=VALUE ...])")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(prog="python -m lit_titan.export", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("checkpoint", help="a DCP checkpoint directory, e.g. <run_dir>/checkpoints/step-XXXXXX")
+    parser.add_argument("out", help="the Hugging Face directory to write (new or empty)")
+    parser.add_argument("overrides", nargs="*", help="model.KEY=VALUE overrides of the model config")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="dtype of the written weights (default fp32: lossless; bf16 halves the size)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--model", default=None, help="model flavor, when the run's config.yaml is not there")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    return parser.parse_intermixed_args(argv)  # options may come between positionals
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Run the export; bad input prints ``lit-titan: error: ...`` and exits 2 (SystemExit), writing nothing."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        opts = parse_args(argv)
+        return export_checkpoint(opts.checkpoint, opts.out, dtype=DTYPES[opts.dtype],
+                                 max_shard_bytes=parse_size(opts.max_shard_size), model=opts.model,
+                                 overrides=opts.overrides, overwrite=opts.overwrite)
+    except USER_ERRORS as err:
+        print(f"lit-titan: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    out_dir = main()
+    print(f"lit-titan: exported to {out_dir}")
