@@ -185,7 +185,9 @@ COMMON = [*TINY, "seed=0", "precision=32-true"]
 
 
 def newest_checkpoint(run_dir: Path) -> Path:
-    found = [p for p in (run_dir / "checkpoints").iterdir() if (p / ".metadata").is_file() and "." not in p.name]
+    """The newest complete checkpoint directory (unpublished or damaged saves excluded)."""
+    found = [p for p in (run_dir / "checkpoints").iterdir()
+             if (p / ".metadata").is_file() and not p.name.endswith(".partial") and ".damaged" not in p.name]
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
