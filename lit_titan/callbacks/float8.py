@@ -12,10 +12,15 @@ What runs where (torch 2.14, torchao 0.18):
   are reproduced without FP8 units. (torch's CPU ``_scaled_mm`` also runs the non-emulated path on
   CPU, but it is no faster and has no GPU counterpart below SM89, so we do not rely on it: one
   documented path, ``emulate=True``, behaves the same on every device.)
-- Tensor parallel: the Float8Linear modules run under the model plan's ordinary TP styles (the
-  GEMM inputs are cast to float8 locally, after the bf16/fp32 collectives). torchao's Float8-aware
-  TP styles (float8 collectives) are not offered: the plan is chosen by the strategy, not by
-  callbacks, and gloo has no float8 collectives to test them on (see ``float8_tp``).
+- Tensor parallel: by default the Float8Linear modules run under the model plan's ordinary TP
+  styles (the GEMM inputs are cast to float8 locally, after the bf16/fp32 collectives). With
+  ``float8_tp=True`` (tensorwise only) the callback also registers a TP style rewrite
+  (``TitanStrategy.register_tp_style_rewrite``) that, as TorchTitan does, swaps in torchao's
+  ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` for the converted Linears and
+  ``PrepareFloat8ModuleInput`` for the modules whose input is all-gathered for them, so those
+  all-gathers move float8 (half the bf16 bytes). The plan's layouts are kept (the residual stream
+  stays a Shard(1) DTensor). Those styles need float8 collectives: NCCL has them, gloo does not
+  (``Invalid scalar type``), so they run on GPUs only (docs/parallelism.md says what is tested).
 """
 
 from __future__ import annotations
@@ -58,9 +63,11 @@ class Float8(L.Callback):
             default for real runs; turn it off for small/debug models (and numerics studies),
             where it would otherwise leave nothing in float8. Not applied to
             ``rowwise_with_gw_hp`` (torchao 0.18 has no thresholds for it: NotImplementedError).
-        float8_tp: torchao's Float8-aware TP styles. Not supported (NotImplementedError): they must
-            replace the model plan's TP styles, which a callback cannot do cleanly, and they need
-            float8 collectives (gloo: "Invalid scalar type").
+        float8_tp: tensorwise only (ValueError otherwise): run the TP all-gathers of the converted
+            Linears' inputs (and of their output gradients) in float8 with torchao's float8 TP styles,
+            chosen per module by ``tp_style``; non-converted modules (the output head, filtered or
+            odd-sized Linears) keep the plan's styles. Needs a backend with float8 collectives (NCCL;
+            gloo fails with "Invalid scalar type"). No effect without tensor parallelism.
     """
 
     def __init__(
@@ -76,11 +83,11 @@ class Float8(L.Callback):
     ) -> None:
         if recipe not in RECIPES:
             raise ValueError(f"unknown Float8 recipe {recipe!r}; choose one of {list(RECIPES)}")
-        if float8_tp:
-            raise NotImplementedError(
-                "Float8(float8_tp=True): torchao's Float8ColwiseParallel/Float8RowwiseParallel must replace the "
-                "model plan's TP styles, which the strategy owns; not supported yet. With float8_tp=False the "
-                "Float8Linear layers run under the plan's ordinary TP styles (bf16/fp32 collectives)."
+        if float8_tp and recipe != "tensorwise":
+            raise ValueError(
+                f"Float8(float8_tp=True) needs recipe='tensorwise' (torchao's float8 TP styles cast with one "
+                f"scale per tensor), got recipe={recipe!r}; with float8_tp=False the {recipe} Float8Linear layers "
+                f"run under the plan's ordinary TP styles (high-precision collectives)."
             )
         if min_dim < 1:
             raise ValueError(f"min_dim must be >= 1, got {min_dim}")
@@ -95,6 +102,7 @@ class Float8(L.Callback):
         self.filter_fqns = list(filter_fqns)
         self.min_dim = min_dim
         self.auto_filter_small_kn = auto_filter_small_kn
+        self.float8_tp = float8_tp
         self.converted: list[str] = []  # fully-qualified names of the Float8Linear layers
         self._last_step: int | None = None
         self._registered_on: Any = None
@@ -138,12 +146,56 @@ class Float8(L.Callback):
             rank_zero_info(f"Float8 ({self.recipe}{', emulated' if self.emulate else ''}): converted "
                            f"{len(self.converted)} Linear layers")
 
+    def tp_style(self, fqn: str, module: nn.Module, style: Any) -> Any:
+        """The TP style rewrite of ``float8_tp=True``: the plan's style, or its float8 counterpart.
+
+        - a ``Float8Linear`` under ``ColwiseParallel`` / ``RowwiseParallel`` ->
+          ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` with the same input/output layouts
+          and ``use_local_output``;
+        - a ``PrepareModuleInput`` that all-gathers an input (a Shard layout made Replicate) for a module
+          whose direct Linear children are all ``Float8Linear`` (Llama: ``attention``, ``feed_forward``)
+          -> ``PrepareFloat8ModuleInput`` with the same layouts: the input is cast to float8 once,
+          before the all-gather, and every projection reuses it. The module must hand that input
+          only to those Linears (true of Llama's attention and feed-forward);
+        - anything else (embedding, norms, the output head when filtered, non-converted Linears,
+          subclassed styles, the pipeline stage boundaries) is returned unchanged.
+        """
+        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        if isinstance(module, Float8Linear) and type(style) in (ColwiseParallel, RowwiseParallel):
+            cls = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
+            return cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                       use_local_output=style.use_local_output)
+        if type(style) is PrepareModuleInput and _gathers_for_float8_linears(module, style, Float8Linear):
+            return PrepareFloat8ModuleInput(
+                input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+                input_kwarg_layouts=style.input_kwarg_layouts if style.with_kwargs else None,
+                desired_input_kwarg_layouts=style.desired_input_kwarg_layouts if style.with_kwargs else None,
+                use_local_output=style.use_local_output,
+            )
+        return style
+
     # ---- Lightning hooks ------------------------------------------------------------------------
+    def register(self, strategy: Any) -> None:
+        """Ask ``strategy`` (a TitanStrategy) for the convert transform and, with ``float8_tp``, the TP rewrite.
+
+        ``setup`` calls this after checking the hardware; the planner calls it directly.
+        """
+        strategy.register_transform("convert", self.convert)
+        if self.float8_tp:
+            strategy.register_tp_style_rewrite(self.tp_style)
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         strategy = transform_strategy(trainer, "Float8")
         self._check_hardware(strategy.root_device)
         if self._registered_on is not strategy:  # setup runs again on fit -> validate: register once
-            strategy.register_transform("convert", self.convert)
+            self.register(strategy)
             self._registered_on = strategy
 
     def _check_hardware(self, device: torch.device) -> None:
@@ -174,6 +226,21 @@ class Float8(L.Callback):
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(pl_module.model)
+
+
+def _gathers_for_float8_linears(module: nn.Module, style: Any, float8_linear: type) -> bool:
+    """Does ``style`` (a PrepareModuleInput) all-gather an input of a module whose direct Linears are all float8?"""
+    from torch.distributed.tensor import Replicate, Shard
+
+    def gathers(src: Any, dst: Any) -> bool:
+        return isinstance(src, Shard) and isinstance(dst, Replicate)
+
+    pairs = list(zip(style.input_layouts or (), style.desired_input_layouts or ()))
+    pairs += [(style.input_kwarg_layouts[k], style.desired_input_kwarg_layouts.get(k))
+              for k in (style.input_kwarg_layouts if style.with_kwargs else {})]
+    linears = [m for m in module.children() if isinstance(m, nn.Linear)]
+    return (any(gathers(src, dst) for src, dst in pairs)
+            and bool(linears) and all(isinstance(m, float8_linear) for m in linears))
 
 
 __all__ = ["Float8", "RECIPES"]

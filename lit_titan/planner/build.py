@@ -80,8 +80,8 @@ def _register_callbacks(strategy, callbacks: list) -> dict[str, Any]:
             info["compiled"] = True
         elif isinstance(cb, Float8):
             # Float8.setup also checks this machine for FP8 units; the plan targets the profile's GPUs,
-            # so register the same convert transform without the local hardware check.
-            strategy.register_transform("convert", cb.convert)
+            # so register the same transforms (convert; float8_tp's TP style rewrite) without that check.
+            cb.register(strategy)
             info["float8"] = cb
     return info
 

@@ -3,8 +3,12 @@
 Usage: float8_dp2tp2.py OUT_JSON DEVICES [key=value ...]
   strategy kwargs (dp_shard=2 tp=2 ...), precision=bf16-mixed, accelerator=cpu, float8=0|1,
   steps=N (the LR schedule's length), max_steps=M (stop after M <= N steps: same schedule, fewer steps),
-  float8.<Float8 kwarg>=value (recipe, enable_fsdp_float8_all_gather, precompute_scales, emulate).
+  float8.<Float8 kwarg>=value (recipe, enable_fsdp_float8_all_gather, precompute_scales, emulate, float8_tp).
 Run as a script: Lightning's launcher re-runs it for the other ranks (hence the __main__ guard).
+
+With float8.float8_tp=true on CPU, gloo (which has no float8 collectives: "Invalid scalar type") is
+sent the float8 TP all-gathers as their raw bytes (uint8 views, see ``_watch_float8_tp_all_gather``):
+an all-gather only copies bytes, so this changes the transport dtype and nothing else.
 """
 
 import json
@@ -20,6 +24,7 @@ from lit_titan.data import PretrainDataModule
 
 
 GATHERED_DTYPES: set[str] = set()
+TP_FLOAT8_GATHERS = [0]  # float8 all-gathers of the TP styles (funcol on torchao's Float8TrainingTensor)
 
 
 def _watch_float8_all_gather() -> None:
@@ -34,6 +39,31 @@ def _watch_float8_all_gather() -> None:
         return out
 
     WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = watched
+
+
+def _watch_float8_tp_all_gather(as_bytes: bool) -> None:
+    """Count the float8 all-gathers torchao's float8 TP styles issue; with ``as_bytes`` send them as uint8.
+
+    FSDP's float8 all-gather does not pass here (FSDP gathers its own uint8 buffers), so the count is
+    tensor parallelism's alone.
+    """
+    from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    for op in (torch.ops.c10d_functional.all_gather_into_tensor.default,
+               torch.ops._c10d_functional.all_gather_into_tensor.default):
+        original = FLOAT8_OPS_TABLE[op]
+
+        def watched(aten_op, args, kwargs=None, original=original):
+            TP_FLOAT8_GATHERS[0] += 1
+            if not as_bytes:
+                return original(aten_op, args, kwargs)
+            t = args[0]
+            data = aten_op(t._data.contiguous().view(torch.uint8), *args[1:], **(kwargs or {}))
+            return Float8TrainingTensor(data.view(t._data.dtype), t._scale, t._orig_dtype, t._linear_mm_config,
+                                        t._gemm_input_role)
+
+        FLOAT8_OPS_TABLE[op] = watched
 
 
 class Record(L.Callback):
@@ -55,7 +85,7 @@ class Record(L.Callback):
                                for m in model.modules() if type(m).__name__ == "Float8Linear"})
         with open(self.out, "w") as f:
             json.dump({"losses": self.losses, "scales_set": self.scales_set, "weight_types": weight_types,
-                       "all_gather_dtypes": sorted(GATHERED_DTYPES),
+                       "all_gather_dtypes": sorted(GATHERED_DTYPES), "tp_float8_all_gathers": TP_FLOAT8_GATHERS[0],
                        "float8_modules": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}, f)
 
 
@@ -86,6 +116,7 @@ def main() -> None:
         else:
             strategy_kwargs[key] = _parse(value)
     _watch_float8_all_gather()
+    _watch_float8_tp_all_gather(as_bytes=accelerator == "cpu")
     torch.manual_seed(0)
     module = PretrainModule("llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
                             {"total_steps": steps, "warmup_steps": 2})
