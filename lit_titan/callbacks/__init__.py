@@ -3,7 +3,11 @@
 from lit_titan.callbacks.activation_checkpointing import ActivationCheckpointing
 from lit_titan.callbacks.compile import Compile
 from lit_titan.callbacks.float8 import Float8
+from lit_titan.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from lit_titan.callbacks.run_summary import RunSummary
+from lit_titan.callbacks.straggler import StragglerReport
 from lit_titan.callbacks.throughput import ThroughputMonitor
+from lit_titan.callbacks.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
-__all__ = ["ActivationCheckpointing", "Compile", "Float8", "RunSummary", "ThroughputMonitor"]
+__all__ = ["ActivationCheckpointing", "Compile", "Float8", "NonFiniteError", "NonFiniteGuard", "RunSummary",
+           "StragglerReport", "ThroughputMonitor", "WATCHDOG_EXIT_CODE", "Watchdog"]
