@@ -141,6 +141,14 @@ class TitanStrategy(ModelParallelStrategy):
         self._transforms[slot].append(fn)
 
     # ---- Lightning lifecycle --------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        # One process starts no children, so it needs no launcher; without one Lightning also
+        # accepts the strategy in a notebook (it refuses the subprocess launcher there).
+        if self.num_processes * self.num_nodes == 1:
+            self._launcher = None
+            return
+        super()._configure_launcher()
+
     def setup_environment(self) -> None:
         # Validate before the process group and mesh exist: a bad layout fails in seconds.
         self.parallel_dims = self.resolve_dims()

@@ -1,0 +1,78 @@
+"""The notebooks in notebooks/ run top to bottom in a fresh kernel, and are stored without outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import _JOB_ENV_DROP
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+EXPECTED = ["01_quickstart", "02_subclassing", "03_planning_a_fleet_run", "04_notebook_to_parallel"]
+CELL_TIMEOUT_S = 300
+# Each notebook takes about a minute or less on 2 idle cores; this is a backstop against a hang.
+NOTEBOOK_TIMEOUT_S = 600
+
+
+def test_the_four_notebooks_exist():
+    assert [p.stem for p in NOTEBOOKS] == EXPECTED
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_stored_without_outputs(path):
+    nb = json.loads(path.read_text())
+    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+             and (c.get("outputs") or c.get("execution_count") is not None)]
+    assert not dirty, (f"{path.name}: cells {dirty} hold outputs; clear them before committing "
+                       f"(jupyter nbconvert --clear-output --inplace {path.relative_to(ROOT)})")
+
+
+@pytest.fixture(scope="module")
+def kernel_name(tmp_path_factory) -> str:
+    """A kernelspec for *this* interpreter, so a system-wide `python3` kernel cannot shadow the venv."""
+    from ipykernel.kernelspec import write_kernel_spec
+
+    share = tmp_path_factory.mktemp("jupyter")
+    name = "lit-titan-tests"
+    write_kernel_spec(share / "kernels" / name, overrides={"argv": [
+        sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": name})
+    old = os.environ.get("JUPYTER_PATH")
+    os.environ["JUPYTER_PATH"] = os.pathsep.join([str(share), *([old] if old else [])])
+    yield name
+    if old is None:
+        os.environ.pop("JUPYTER_PATH", None)
+    else:
+        os.environ["JUPYTER_PATH"] = old
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, tmp_path, kernel_name):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    # A fresh kernel in a clean distributed environment, sharing the session's data cache
+    # (LIT_TITAN_CACHE, tests/conftest.py); runs/ lands in tmp_path, the kernel's working directory.
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_ENV_DROP}
+    env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+    # OpenMP threads that spin-wait slow down ~10x when the cores are shared (other jobs, the
+    # 4-process run of notebook 4); passive waiting costs nothing on idle cores.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name=kernel_name,
+                            resources={"metadata": {"path": str(tmp_path)}})
+    start = time.perf_counter()
+    client.execute(env=env)  # raises CellExecutionError, with the cell and its traceback, on any error
+    elapsed = time.perf_counter() - start
+    print(f"{path.name}: {elapsed:.1f} s")
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert images, f"{path.name} drew no plot"
