@@ -84,6 +84,7 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         check_hf_dir(str(cfg.model.init_from_hf), args)  # FileNotFoundError / ConfigError naming the fix
     if int(cfg.trainer.max_steps) < 1:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
+    _validate_fault(cfg, world_size(cfg))
     dims = parallel_dims(cfg)
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=seq_len,
                   global_batch_size=int(cfg.data.global_batch_size),
@@ -95,6 +96,18 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
             raise LayoutError(f"validation under parallel.pp_schedule={cfg.parallel.pp_schedule} fails in torch's "
                               f"schedule eval (torch 2.14); set trainer.limit_val_batches=0 or use Interleaved1F1B")
     return args, dims
+
+
+def _validate_fault(cfg: DictConfig, world: int) -> None:
+    fault = cfg.get("fault") or {}
+    if fault.get("kill_rank") is None:
+        return
+    if fault.get("at_step") is None:
+        raise ConfigError("fault.kill_rank is set but fault.at_step is not; set the optimizer step to fail at")
+    if not 0 <= int(fault.kill_rank) < world:
+        raise ConfigError(f"fault.kill_rank={fault.kill_rank} is not a rank of this {world}-process job")
+    if fault.get("during_save") and not cfg.checkpoint.enabled:
+        raise ConfigError("fault.during_save needs checkpoint.enabled=true")
 
 
 def pipeline_config(cfg: DictConfig) -> PipelineConfig:

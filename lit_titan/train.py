@@ -14,12 +14,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lit_titan.checkpoint import CheckpointError
 from lit_titan.config import ConfigError, compose, model_overrides, to_yaml, validate
 from lit_titan.strategies.parallel_dims import LayoutError
 
 RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
 # Errors that mean "fix your input": printed as one line, no traceback, exit code 2.
-USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError)
+USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError, CheckpointError)
 
 
 def resolve_run_dir(cfg: DictConfig) -> Path:
@@ -69,17 +70,58 @@ def build_strategy(cfg: DictConfig):
                          pp_stages_per_rank=p.get("pp_stages_per_rank"), pp_stages=p.get("pp_stages"))
 
 
-def check_resume(path: str | None) -> None:
-    """Refuse a missing or incomplete checkpoint before any process or model is built."""
-    if not path:
-        return
-    ckpt = Path(path).expanduser()
-    if not ckpt.exists():
-        raise FileNotFoundError(f"resume={path} does not exist; point resume= at a checkpoint directory such as "
-                                f"<run_dir>/checkpoints/last.ckpt")
-    if ckpt.is_dir() and not (ckpt / ".metadata").is_file():
-        raise FileNotFoundError(f"resume={path} is not a complete sharded checkpoint (no .metadata: the save was "
-                                f"interrupted?); choose an earlier checkpoint in {ckpt.parent}")
+def resolve_resume(resume: str | None, run_dir: Path) -> str | None:
+    """The checkpoint to resume from, checked before any process or model is built.
+
+    ``auto``: the newest checkpoint in ``<run_dir>/checkpoints`` that passes validation (damaged
+    ones are skipped with a message), or a fresh start when there is none: the setting for jobs a
+    launcher restarts. ``PATH``: that checkpoint, refused with the reason if it is damaged.
+    """
+    from lit_titan.checkpoint import CheckpointError, latest_valid, published, set_aside, validate
+    from lit_titan.checkpoint.layout import checkpoint_step
+
+    if not resume:
+        return None
+    own = run_dir / "checkpoints"
+    if str(resume) == "auto":
+        ckpt, skipped = latest_valid(own)
+        for path, reason in skipped:
+            _say(f"skipping damaged checkpoint: {reason}")
+            if is_launcher_rank_zero():
+                _say(f"moved it to {set_aside(path)} (kept for inspection; the run will save that step again)")
+        _say(f"resume=auto: resuming from {ckpt}" if ckpt else
+             f"resume=auto: no complete checkpoint in {run_dir / 'checkpoints'}; starting fresh")
+        return str(ckpt) if ckpt else None
+    path = Path(str(resume)).expanduser().resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"resume={resume} does not exist; point resume= at a checkpoint directory such as "
+                                f"<run_dir>/checkpoints/step-000100, or use resume=auto")
+    try:
+        validate(path)
+    except CheckpointError as err:
+        others = [p.name for p in published(path.parent) if p != path]
+        hint = f" (other checkpoints there: {', '.join(others[-3:])})" if others else ""
+        raise CheckpointError(f"resume={resume} cannot be used: {err}; choose an earlier checkpoint{hint} or "
+                              f"resume=auto") from None
+    newer = [p.name for p in published(own) if (checkpoint_step(p) or 0) > (checkpoint_step(path) or 0)]
+    if newer:  # the resumed run would save those steps again: never overwrite a checkpoint
+        raise CheckpointError(f"run_dir {run_dir} already holds checkpoints newer than resume={resume} "
+                              f"({', '.join(newer[-3:])}); resume from the newest with resume=auto, or pass a new "
+                              f"run_dir= to branch off from this checkpoint")
+    return str(path)
+
+
+def _say(message: str) -> None:
+    if is_launcher_rank_zero():
+        print(f"lit-titan: {message}", file=sys.stderr, flush=True)
+
+
+def archive_metrics(run_dir: Path) -> None:
+    """Keep the metrics of an earlier attempt: Lightning's CSVLogger deletes metrics.csv on start."""
+    metrics = run_dir / "metrics.csv"
+    if is_launcher_rank_zero() and metrics.is_file():
+        n = len(list(run_dir.glob("metrics.attempt-*.csv")))
+        metrics.rename(run_dir / f"metrics.attempt-{n}.csv")
 
 
 def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
@@ -98,18 +140,19 @@ def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
 def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     """Run one training job from a composed config; returns the run summary."""
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lit_titan.callbacks import RunSummary
+    from lit_titan.callbacks import Checkpointing, FaultInjection, RunSummary
     from lit_titan.module import PretrainModule
 
     args, dims = validate(cfg)
-    check_resume(cfg.resume)
     run_dir = resolve_run_dir(cfg)
+    resume = resolve_resume(cfg.resume, run_dir)
     OmegaConf.update(cfg, "run_dir", str(run_dir))
     if is_launcher_rank_zero():
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if resume:
+        archive_metrics(run_dir)
 
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     datamodule = _instantiate(cfg.data, data_dir=os.path.expanduser(str(cfg.data.data_dir)),
@@ -124,11 +167,12 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     configured = [_instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     all_callbacks = [summary, *configured, *(callbacks or [])]
     if cfg.checkpoint.enabled:
-        every = int(cfg.checkpoint.every_n_steps) or None
-        # No '=' in the names: they are passed back as `resume=PATH`, and Hydra's grammar splits on '='.
-        all_callbacks.append(ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), every_n_train_steps=every,
-                                             filename="step-{step:06d}", auto_insert_metric_name=False,
-                                             save_last=True, save_top_k=0 if every is None else -1))
+        c = cfg.checkpoint
+        all_callbacks.append(Checkpointing(dirpath=str(run_dir / "checkpoints"), every_n_steps=int(c.every_n_steps),
+                                           keep_last=int(c.keep_last), async_save=bool(c.async_save)))
+    if cfg.fault.kill_rank is not None:
+        all_callbacks.append(FaultInjection(kill_rank=int(cfg.fault.kill_rank), at_step=int(cfg.fault.at_step),
+                                            during_save=bool(cfg.fault.during_save)))
     t = cfg.trainer
     trainer = L.Trainer(
         accelerator=cfg.cluster.accelerator, devices=cfg.cluster.devices, num_nodes=cfg.cluster.num_nodes,
@@ -138,10 +182,10 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
         val_check_interval=t.val_check_interval if t.limit_val_batches else None,
         enable_progress_bar=t.enable_progress_bar, deterministic=t.deterministic,
         logger=build_loggers(cfg, run_dir), callbacks=all_callbacks, default_root_dir=str(run_dir),
-        enable_checkpointing=bool(cfg.checkpoint.enabled), use_distributed_sampler=False,
+        enable_checkpointing=False, use_distributed_sampler=False,  # Checkpointing replaces ModelCheckpoint
         enable_model_summary=False,
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     return summary.summary
 
 

@@ -73,11 +73,13 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    """Model weights of the run's last checkpoint (a DCP directory), gathered into full tensors."""
+    """Model weights of the run's newest checkpoint (a DCP directory), gathered into full tensors."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    from lit_titan.checkpoint import published
+
     out = Path(run_dir) / "final_params.pt"
-    dcp_to_torch_save(Path(run_dir) / "checkpoints" / "last.ckpt", out)
+    dcp_to_torch_save(published(Path(run_dir) / "checkpoints")[-1], out)
     return torch.load(out, weights_only=True)["state_dict"]
 
 

@@ -141,11 +141,12 @@ def test_launch_dry_run_prints_the_profile_command(tmp_path):
     one_node = run_job([sys.executable, "-m", "lit_titan.launch", "--dry-run", "+recipe=llama3_8b_h100_8"], cwd=ROOT,
                        timeout=120)
     assert one_node.returncode == 0, one_node.stderr[-2000:]
-    assert one_node.stdout.startswith("torchrun --nnodes=1 --nproc_per_node=8")
-    assert "-m lit_titan.train +recipe=llama3_8b_h100_8" in one_node.stdout
+    assert one_node.stdout.startswith("torchrun --nnodes=1 --nproc_per_node=8 --max-restarts=3")
+    assert "-m lit_titan.train +recipe=llama3_8b_h100_8 resume=auto" in one_node.stdout
     fleet = run_job([sys.executable, "-m", "lit_titan.launch", "--dry-run", "+recipe=llama3_405b_h100_512"],
                     cwd=ROOT, timeout=120)
-    assert "#SBATCH --nodes=64" in fleet.stdout and "srun python -m lit_titan.train" in fleet.stdout
+    assert "#SBATCH --nodes=64" in fleet.stdout and "srun --kill-on-bad-exit=1 python -m lit_titan.train" in fleet.stdout
+    assert "resume=auto" in fleet.stdout and "for attempt in" in fleet.stdout
     bad = run_job([sys.executable, "-m", "lit_titan.launch", "--dry-run", "cluster=h100_8", "parallel.tp=3"],
                   cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "lit-titan: error:" in bad.stderr

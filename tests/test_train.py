@@ -26,7 +26,7 @@ def test_cli_trains_and_loss_falls(tmp_path):
     assert cfg["trainer"]["max_steps"] == 30 and cfg["run_dir"] == str(tmp_path)
     assert "${" not in (tmp_path / "config.yaml").read_text()  # resolved
     assert any((tmp_path / "tensorboard").rglob("events.out.tfevents*"))
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()
+    assert (tmp_path / "checkpoints" / "step-000030" / ".metadata").is_file()  # the final checkpoint
     assert "tokens/s" in proc.stdout + proc.stderr
 
 

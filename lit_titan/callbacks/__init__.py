@@ -1,7 +1,9 @@
 """User-facing toggles (Lightning callbacks); the strategy decides when their transforms run."""
 
 from lit_titan.callbacks.activation_checkpointing import ActivationCheckpointing
+from lit_titan.callbacks.checkpointing import Checkpointing
 from lit_titan.callbacks.compile import Compile
+from lit_titan.callbacks.fault_injection import FaultInjection
 from lit_titan.callbacks.float8 import Float8
 from lit_titan.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
 from lit_titan.callbacks.run_summary import RunSummary
@@ -9,5 +11,5 @@ from lit_titan.callbacks.straggler import StragglerReport
 from lit_titan.callbacks.throughput import ThroughputMonitor
 from lit_titan.callbacks.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
-__all__ = ["ActivationCheckpointing", "Compile", "Float8", "NonFiniteError", "NonFiniteGuard", "RunSummary",
-           "StragglerReport", "ThroughputMonitor", "WATCHDOG_EXIT_CODE", "Watchdog"]
+__all__ = ["ActivationCheckpointing", "Checkpointing", "Compile", "FaultInjection", "Float8", "NonFiniteError",
+           "NonFiniteGuard", "RunSummary", "StragglerReport", "ThroughputMonitor", "WATCHDOG_EXIT_CODE", "Watchdog"]

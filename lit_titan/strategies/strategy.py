@@ -11,10 +11,12 @@ Extends Lightning's ``ModelParallelStrategy`` (2-D, user-parallelised) with:
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,6 +28,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
+from lit_titan.checkpoint import CheckpointWriter, load_sharded
 from lit_titan.strategies.context_parallel import ContextParallel
 from lit_titan.strategies.fsdp import FSDPConfig, apply_fsdp, mixed_precision_for
 from lit_titan.strategies.parallel_dims import ParallelDims
@@ -38,7 +41,7 @@ from lit_titan.strategies.pipeline import (
     stage_ids,
 )
 from lit_titan.strategies.plan import ParallelPlan, plan_for
-from lit_titan.strategies.tensor_parallel import apply_tensor_parallel
+from lit_titan.strategies.tensor_parallel import StyleRewrite, apply_tensor_parallel
 
 # Slots, in application order, where callbacks (Float8, activation checkpointing, compile) plug
 # transforms in. Each transform is called as fn(model, plan, strategy).
@@ -89,11 +92,15 @@ class TitanStrategy(ModelParallelStrategy):
         self._views: list[nn.Module] = []
         self.parallel_dims: ParallelDims | None = None
         self._transforms: dict[str, list[Transform]] = {slot: [] for slot in TRANSFORM_SLOTS}
+        self._tp_style_rewrites: list[StyleRewrite] = []
         # Set by parallelize(): whether FSDP wraps the model, and this rank's pipeline stages.
         self.fsdp_applied = False
         self.stage_ids: list[int] = [0]
         self.num_stages = 1
         self.mesh_views: dict = {}
+        # Sharded, async, atomically published checkpoints (lit_titan.checkpoint); the
+        # Checkpointing callback decides when to save and configures it.
+        self.checkpoint_writer = CheckpointWriter()
 
     # ---- layout ---------------------------------------------------------------------------------
     def resolve_dims(self) -> ParallelDims:
@@ -140,6 +147,14 @@ class TitanStrategy(ModelParallelStrategy):
             raise ValueError(f"unknown transform slot {slot!r}; choose one of {TRANSFORM_SLOTS}")
         self._transforms[slot].append(fn)
 
+    def register_tp_style_rewrite(self, fn: StyleRewrite) -> None:
+        """Callbacks rewrite the plan's TP styles per module: ``fn(fqn, module, style) -> style``.
+
+        Applied in registration order to every style of ``plan_for(model)`` just before TP applies it
+        (after the ``convert`` transforms, so ``module`` is the converted one); e.g. Float8's float8 styles.
+        """
+        self._tp_style_rewrites.append(fn)
+
     # ---- Lightning lifecycle --------------------------------------------------------------------
     def _configure_launcher(self) -> None:
         # One process starts no children, so it needs no launcher; without one Lightning also
@@ -160,6 +175,33 @@ class TitanStrategy(ModelParallelStrategy):
         self.init_layout(self.parallel_dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _setup_distributed(self) -> None:
+        self._init_process_group_after_restart()
+        super()._setup_distributed()  # Lightning's: ranks, seeds; skips the init when already done
+
+    def _init_process_group_after_restart(self) -> None:
+        """Under a torchrun restart, rendezvous through a store namespaced by the attempt.
+
+        torchrun's agent keeps its store across restarts and, on torch 2.11-2.14, the workers'
+        process groups key their rendezvous identically in every attempt: a restarted rank may
+        read the dead attempt's address and fail in gloo's connectFullMesh (or hang in a later
+        ``new_group``); reproduced with a 10-line script. A ``PrefixStore`` per attempt gives the
+        default group and every sub-group fresh keys.
+        """
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if not attempt or torch.distributed.is_initialized() or "MASTER_PORT" not in os.environ:
+            return
+        from torch.distributed import PrefixStore, TCPStore
+
+        world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        timeout = self._timeout or default_pg_timeout
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                         timeout=timeout)
+        torch.distributed.init_process_group(
+            self._get_process_group_backend(), store=PrefixStore(f"lit_titan/attempt_{attempt}/", store),
+            rank=rank, world_size=world_size, timeout=timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None)
 
     def init_layout(self, dims: ParallelDims, device_type: str) -> None:
         """Mesh, its flattened views and the CP engine over the live process group.
@@ -221,7 +263,7 @@ class TitanStrategy(ModelParallelStrategy):
         param_dtype, _ = mixed_precision_for(precision)
         for view in views:
             if dims.tp > 1:
-                apply_tensor_parallel(view, mesh["tp"], plan, self.loss_parallel)
+                apply_tensor_parallel(view, mesh["tp"], plan, self.loss_parallel, self._tp_style_rewrites)
             if self.context_parallel is not None:
                 if plan.attention_cores is None:
                     raise TypeError(f"the ParallelPlan of {type(view).__name__} defines no attention_cores; "
@@ -259,6 +301,7 @@ class TitanStrategy(ModelParallelStrategy):
             fn(model, plan, self)
 
     def teardown(self) -> None:
+        self.checkpoint_writer.wait()  # a save in flight needs the process group
         super().teardown()
         # An in-process fit (notebook, Python API) must not leave its process group behind: the
         # next fit, the planner's fake group or a data pipeline would take it for a live job.
@@ -351,3 +394,29 @@ class TitanStrategy(ModelParallelStrategy):
         # Lightning calls backward outside training_step; loss parallel must span both.
         with self._loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Sharded DCP save through :class:`~lit_titan.checkpoint.CheckpointWriter` (async, atomic publish).
+
+        Lightning's own version saves synchronously into the final directory, so a crash mid-save
+        leaves a directory that looks like a checkpoint.
+        """
+        if storage_options is not None:
+            raise TypeError("TitanStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        self.checkpoint_writer.save(state, checkpoint, path, rank=self.global_rank, world_size=self.world_size,
+                                    barrier=self.barrier)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Validate, then load shards into the parallelised model under any layout (DCP reshards)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None
+        return load_sharded(self.model, list(self.optimizers), path, rank=self.global_rank,
+                            world_size=self.world_size)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)

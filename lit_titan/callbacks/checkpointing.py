@@ -1,0 +1,65 @@
+"""When to checkpoint: every N optimizer steps and at the end of training, keeping the newest K.
+
+How a checkpoint is written (sharded, asynchronous, atomically published) is the strategy's
+:class:`~lit_titan.checkpoint.CheckpointWriter`; this callback only decides *when* and configures it.
+Used instead of Lightning's ``ModelCheckpoint``, which deletes old checkpoints right after starting
+a new save (before an asynchronous save has finished) and names files with ``=``, which Hydra's
+override grammar cannot take back as ``resume=PATH``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from lit_titan.callbacks.watchdog import Watchdog
+from lit_titan.checkpoint import step_dir_name
+
+
+class Checkpointing(L.Callback):
+    def __init__(self, dirpath: str, every_n_steps: int = 0, keep_last: int = 3, async_save: bool = True) -> None:
+        """
+        Args:
+            dirpath: where ``step-XXXXXX`` checkpoint directories go (``<run_dir>/checkpoints``).
+            every_n_steps: save every N optimizer steps; 0: only at the end of training.
+            keep_last: keep the newest K complete checkpoints (0: keep all).
+            async_save: write in the background while training continues.
+        """
+        if every_n_steps < 0 or keep_last < 0:
+            raise ValueError("checkpoint.every_n_steps and checkpoint.keep_last must be >= 0")
+        self.dirpath = Path(dirpath)
+        self.every_n_steps = every_n_steps
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._last_saved = -1
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        writer = getattr(trainer.strategy, "checkpoint_writer", None)
+        if writer is None:
+            raise TypeError(f"Checkpointing needs lit_titan's TitanStrategy (got {type(trainer.strategy).__name__})")
+        writer.async_save, writer.keep_last = self.async_save, self.keep_last
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_saved = trainer.global_step  # a resumed run does not re-save the step it resumed from
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_saved:  # not an optimizer-step boundary (gradient accumulation)
+            return
+        periodic = self.every_n_steps and step % self.every_n_steps == 0
+        if periodic or (trainer.max_steps > 0 and step >= trainer.max_steps):
+            self.save(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step != self._last_saved:
+            self.save(trainer)
+        trainer.strategy.checkpoint_writer.wait()
+
+    def save(self, trainer: L.Trainer) -> None:
+        trainer.strategy.checkpoint_writer.wait()  # the previous save; can take a while on slow storage
+        Watchdog.heartbeat("checkpoint")  # waiting on our own save is progress, not a hang
+        trainer.save_checkpoint(self.dirpath / step_dir_name(trainer.global_step), weights_only=False)
+        self._last_saved = trainer.global_step

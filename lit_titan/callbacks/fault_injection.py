@@ -1,0 +1,48 @@
+"""Kill a rank on purpose, for tests and recovery drills (``fault.kill_rank``, ``fault.at_step``).
+
+Fires in the first attempt only (``TORCHELASTIC_RESTART_COUNT``/``LIT_TITAN_ATTEMPT`` 0 or unset), so a
+job launched with ``torchrun --max-restarts=N`` dies once, restarts, resumes from the newest
+complete checkpoint and finishes. ``during_save`` kills the rank while the checkpoint of
+``at_step`` is being written, i.e. after its shards started but before the save was published.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from lit_titan.checkpoint.layout import PARTIAL_SUFFIX, checkpoint_step
+
+
+class FaultInjection(L.Callback):
+    def __init__(self, kill_rank: int, at_step: int, during_save: bool = False) -> None:
+        self.kill_rank, self.at_step, self.during_save = kill_rank, at_step, during_save
+        # torchrun counts attempts in TORCHELASTIC_RESTART_COUNT, the Slurm script of
+        # `lit-titan launch` in LIT_TITAN_ATTEMPT.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("LIT_TITAN_ATTEMPT") or "0"
+        self.armed = int(attempt) == 0
+        self._rank = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._rank = trainer.global_rank
+        if self.during_save:
+            trainer.strategy.checkpoint_writer.on_write_started.append(self._on_save)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self.during_save and trainer.global_step == self.at_step:
+            self._kill(f"at step {self.at_step}")
+
+    def _on_save(self, staging: Path) -> None:
+        if checkpoint_step(staging.with_name(staging.name.removesuffix(PARTIAL_SUFFIX))) == self.at_step:
+            self._kill(f"while saving the checkpoint of step {self.at_step}")
+
+    def _kill(self, when: str) -> None:
+        if self.armed and self._rank == self.kill_rank:
+            print(f"lit-titan: fault injection: killing rank {self._rank} {when}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
