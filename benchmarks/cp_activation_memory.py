@@ -22,6 +22,10 @@ import lightning as L
 import torch
 
 
+def _storage(p: torch.Tensor) -> int:
+    return (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+
+
 class SavedTensorBytes(L.Callback):
     """Counts distinct storages saved for backward between batch start and backward."""
 
@@ -29,11 +33,12 @@ class SavedTensorBytes(L.Callback):
         self.out, self.ctx, self.seen, self.bytes = out, None, set(), 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        params = {p.data_ptr() for p in pl_module.parameters()}
-
         def pack(t):
             t_local = t.to_local() if hasattr(t, "to_local") else t
             ptr = t_local.untyped_storage().data_ptr()
+            # Parameters are not activations; under FSDP the module holds the all-gathered
+            # (unsharded) ones during its forward, so look them up at pack time.
+            params = {_storage(p) for p in pl_module.parameters()}
             if ptr not in self.seen and ptr not in params:
                 self.seen.add(ptr)
                 self.bytes += t_local.untyped_storage().nbytes()

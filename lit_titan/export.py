@@ -85,12 +85,10 @@ def load_tensors(ckpt: Path, wanted: dict[str, tuple[str, Any]]) -> dict[str, to
 
 
 def _reader(ckpt: Path) -> Any:
-    """DCP's reader, with lit-titan's allow-list unpickler for ``.metadata`` where it exists."""
-    try:
-        from lit_titan.checkpoint.layout import SafeFileSystemReader as Reader
-    except ImportError:
-        from torch.distributed.checkpoint import FileSystemReader as Reader
-    return Reader(str(ckpt))
+    """DCP's reader with lit-titan's allow-list unpickler for ``.metadata`` (no pickled code runs)."""
+    from lit_titan.checkpoint.layout import SafeFileSystemReader
+
+    return SafeFileSystemReader(str(ckpt))
 
 
 # ---- the model config ----------------------------------------------------------------------------

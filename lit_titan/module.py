@@ -130,7 +130,7 @@ class PretrainModule(L.LightningModule):
         """Log once per optimizer step (not per micro-batch): the step's mean loss, lr, grad norm."""
         grads_owner = self.trainer.strategy
         self._last_grad_norm = total_grad_norm(
-            [p for p in self.parameters() if p.grad is not None], pp_group=getattr(grads_owner, "pp_group", None)
+            list(self.parameters()), pp_group=getattr(grads_owner, "pp_group", None)
         )
         step_loss = self._step_loss / max(self._micro_batches, 1)
         self.log("train/loss", step_loss, sync_dist=True, prog_bar=True, on_step=True, on_epoch=False)

@@ -80,16 +80,17 @@ class AllGatherKVAttention(nn.Module):
     key prefix that ends with its own block, under a lower-right causal bias: no work or memory
     is spent on keys the mask would hide, and SDPA keeps its fused kernels (flash/efficient on
     CUDA; on CPU a plain causal call for a block that starts the sequence, a materialised
-    prefix mask otherwise).
+    prefix mask otherwise, cached and shared by the layers).
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, masks: dict | None = None) -> None:
         super().__init__()
         self.group = group
         self.cp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         # Reorder index per (seq_len, device): built once, not copied to the device every call.
         self._order: dict[tuple[int, torch.device], Tensor] = {}
+        self._masks: dict[tuple, Tensor] = {} if masks is None else masks  # shared by the layers
 
     def _gathered_order(self, seq_len: int, device: torch.device) -> Tensor:
         key = (seq_len, device)
@@ -97,27 +98,47 @@ class AllGatherKVAttention(nn.Module):
             self._order[key] = _gathered_to_original_cpu(seq_len, self.cp).to(device)
         return self._order[key]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _prefix_mask(self, chunk: int, end: int, like: Tensor) -> Tensor | object:
+        """Lower-right causal mask of a ``chunk`` of queries over ``end`` keys.
+
+        On CUDA torch's ``causal_lower_right`` bias dispatches to fused kernels without building
+        the mask. On CPU SDPA materialises any mask as an additive one in the query dtype and saves
+        it for backward, a new one per layer; a cached additive mask per shape is that same tensor,
+        shared by all layers (measured: 24 MiB -> 4 MiB per rank at seq 2048, cp2, 6 layers).
+        """
         from torch.nn.attention.bias import causal_lower_right
 
-        from lit_titan.models.llama3.model import repeat_kv
+        if like.device.type == "cuda":
+            return causal_lower_right(chunk, end)
+        key = (chunk, end, like.device, like.dtype)
+        if key not in self._masks:
+            visible = torch.ones(chunk, end, dtype=torch.bool, device=like.device).tril(end - chunk)
+            mask = torch.zeros(chunk, end, dtype=like.dtype, device=like.device)
+            self._masks[key] = mask.masked_fill_(~visible, float("-inf"))
+        return self._masks[key]
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
         # q [b, heads, local_seq, d], k/v [b, kv_heads, local_seq, d]; local_seq holds two chunks.
-        # K/V are gathered before the grouped-query repeat: n_rep times fewer bytes on the wire.
+        # K/V stay at kv_heads width (SDPA's enable_gqa, no repeat): n_rep times fewer bytes on the
+        # wire and, since SDPA saves its inputs for backward, in the full-sequence K/V each rank
+        # keeps per layer, the one activation that does not shrink with cp.
         chunk = q.shape[2] // 2
         seq_len = q.shape[2] * self.cp
         order = self._gathered_order(seq_len, q.device)
-        n_rep = q.shape[1] // k.shape[1]
-        k = repeat_kv(_AllGatherSeq.apply(k, self.group, 2).index_select(2, order), n_rep)
-        v = repeat_kv(_AllGatherSeq.apply(v, self.group, 2).index_select(2, order), n_rep)
+        gqa = q.shape[1] != k.shape[1]
+        k = _AllGatherSeq.apply(k, self.group, 2).index_select(2, order)
+        v = _AllGatherSeq.apply(v, self.group, 2).index_select(2, order)
         outs = []
         for q_chunk, block in zip(q.split(chunk, dim=2), (self.rank, 2 * self.cp - 1 - self.rank)):
             end = (block + 1) * chunk
             if end == chunk:  # the first block: an ordinary causal square
-                outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end], is_causal=True))
+                outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end], is_causal=True,
+                                                           enable_gqa=gqa))
             else:
                 outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end],
-                                                           attn_mask=causal_lower_right(chunk, end)))
+                                                           attn_mask=self._prefix_mask(chunk, end, q_chunk),
+                                                           enable_gqa=gqa))
         return torch.cat(outs, dim=2)
 
 
@@ -135,8 +156,9 @@ class ContextParallel:
         return tuple(t.index_select(1, pos) for t in tensors)
 
     def apply(self, model: nn.Module, attention_cores: list[tuple[nn.Module, str]]) -> None:
+        masks: dict = {}  # one CPU prefix mask per shape for all layers (see AllGatherKVAttention)
         for parent, name in attention_cores:
-            setattr(parent, name, AllGatherKVAttention(self.group))
+            setattr(parent, name, AllGatherKVAttention(self.group, masks))
         model.register_forward_pre_hook(self._inject_positions, with_kwargs=True)
 
     def _inject_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -19,9 +19,10 @@ def total_grad_norm(params: Iterable[Tensor], pp_group: dist.ProcessGroup | None
     """
     from torch.distributed.tensor import DTensor
 
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        norm = torch.zeros(())
+    if not grads:  # on the parameters' device: NCCL refuses CPU tensors in the pp all-reduce below
+        norm = torch.zeros((), device=params[0].device if params else None)
     else:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
         if isinstance(norm, DTensor):
