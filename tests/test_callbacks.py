@@ -101,6 +101,6 @@ def test_checkpoint_with_activation_checkpointing_resumes_without_it(tmp_path):
     steps = [*TINY, "trainer.max_steps=4", "seed=0", "precision=32-true", "checkpoint.every_n_steps=2"]
     run_cli([*steps, "callbacks=[activation_checkpointing]", "callbacks.activation_checkpointing.mode=full"],
             tmp_path / "ac")
-    run_cli([*steps, "cluster.devices=2", f"resume={tmp_path / 'ac' / 'checkpoints' / 'step-000002.ckpt'}"],
+    run_cli([*steps, "cluster.devices=2", f"resume={tmp_path / 'ac' / 'checkpoints' / 'step-000002'}"],
             tmp_path / "resumed")
     assert_losses_match(losses(tmp_path / "resumed"), losses(tmp_path / "ac")[2:], rtol=1e-5)

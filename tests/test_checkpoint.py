@@ -138,17 +138,27 @@ def test_prune_keeps_the_newest_k_and_only_old_partials(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003", "step-000004.partial"]
 
 
-@pytest.mark.parametrize("make", ["missing", "incomplete", "truncated", "newer-exist"])
-def test_bad_resume_is_refused_before_training(reference, tmp_path, make):
+@pytest.mark.parametrize("make", ["incomplete", "truncated"])
+def test_damaged_resume_path_is_refused_with_the_reason(reference, tmp_path, make):
+    from lit_titan.train import resolve_resume
+
     ckpt = tmp_path / "step-000004"
-    run_dir = tmp_path / "run"
     if make == "incomplete":  # shards written, .metadata never published
         ckpt.mkdir()
         (ckpt / "__0_0.distcp").write_bytes(b"partial")
-    elif make == "truncated":
+    else:
         ckpt = _copy(reference, tmp_path) / "step-000020"
         _truncate_a_shard(ckpt)
-    elif make == "newer-exist":  # resuming an old step into a run that has newer ones would overwrite them
+    with pytest.raises(CheckpointError, match="resume=.* cannot be used: .*(no .metadata|truncated)"):
+        resolve_resume(str(ckpt), tmp_path / "run")
+
+
+@pytest.mark.parametrize("make", ["missing", "newer-exist"])
+def test_bad_resume_is_refused_before_training(reference, tmp_path, make):
+    """Through the command line: one error line, exit 2, nothing started."""
+    ckpt = tmp_path / "step-000004"
+    run_dir = tmp_path / "run"
+    if make == "newer-exist":  # resuming an old step into a run that has newer ones would overwrite them
         ckpt = _copy(reference, run_dir) / "step-000010"
     proc = run_cli([*COMMON, f"resume={ckpt}"], run_dir, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
