@@ -8,9 +8,20 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 COMMANDS = {"train": "lit_titan.train", "plan": "lit_titan.plan", "launch": "lit_titan.launch",
             "export": "lit_titan.export"}
+
+
+def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseException], ...]) -> None:
+    """Run an entry point's ``main``; an error in the user's input is one line and exit code 2."""
+    try:
+        main()
+    except user_errors as err:
+        print(f"lit-titan: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,8 +35,6 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, LayoutError) as err:
-        print(f"lit-titan: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from lit_titan.cli import run_entry_point
+
+    run_entry_point(main, (ConfigError, LayoutError))

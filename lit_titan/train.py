@@ -202,8 +202,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except USER_ERRORS as err:
-        print(f"lit-titan: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from lit_titan.cli import run_entry_point
+
+    run_entry_point(main, USER_ERRORS)

@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning as L
 
-from lit_titan.checkpoint.layout import PARTIAL_SUFFIX, checkpoint_step
+from lit_titan.checkpoint.layout import staged_step
 
 
 class FaultInjection(L.Callback):
@@ -39,7 +39,7 @@ class FaultInjection(L.Callback):
             self._kill(f"at step {self.at_step}")
 
     def _on_save(self, staging: Path) -> None:
-        if checkpoint_step(staging.with_name(staging.name.removesuffix(PARTIAL_SUFFIX))) == self.at_step:
+        if staged_step(staging) == self.at_step:
             self._kill(f"while saving the checkpoint of step {self.at_step}")
 
     def _kill(self, when: str) -> None:

@@ -56,6 +56,12 @@ def checkpoint_step(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def staged_step(path: Path) -> int | None:
+    """The step of an unpublished ``step-XXXXXX.partial`` save."""
+    name = path.name
+    return checkpoint_step(path.with_name(name[: -len(PARTIAL_SUFFIX)])) if name.endswith(PARTIAL_SUFFIX) else None
+
+
 def published(directory: Path) -> list[Path]:
     """Published (final-named) checkpoints in ``directory``, oldest first."""
     if not directory.is_dir():
@@ -178,7 +184,7 @@ def prune(directory: Path, keep: int) -> list[Path]:
     removed = done[:-keep]
     oldest_kept = checkpoint_step(done[-keep]) if len(done) >= keep else None
     for stale in directory.glob(f"step-*{PARTIAL_SUFFIX}"):
-        step = checkpoint_step(stale.with_name(stale.name[: -len(PARTIAL_SUFFIX)]))
+        step = staged_step(stale)
         if oldest_kept is not None and step is not None and step < oldest_kept:
             removed.append(stale)
     for path in removed:

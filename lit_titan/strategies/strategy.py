@@ -11,7 +11,6 @@ Extends Lightning's ``ModelParallelStrategy`` (2-D, user-parallelised) with:
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -416,7 +415,3 @@ class TitanStrategy(ModelParallelStrategy):
         assert self.model is not None
         return load_sharded(self.model, list(self.optimizers), path, rank=self.global_rank,
                             world_size=self.world_size)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
