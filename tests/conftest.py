@@ -12,6 +12,16 @@ def _shared_data_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="session")
+def worlds(_shared_data_cache):
+    """Gloo worlds of N processes, started once and reused by every multi-process case (tests/world.py)."""
+    from world import Worlds
+
+    pool = Worlds()
+    yield pool
+    pool.close()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,6 +1,5 @@
 """Activation checkpointing and compile callbacks: what they change, and that training is unchanged."""
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +13,7 @@ from lit_titan.models.init import canonical_name
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.plan import LLAMA3_PLAN
 
-from helpers import TINY, assert_losses_match, losses, run_cli
+from helpers import TINY, assert_losses_match, losses
 
 
 def _model(n_layers=4):
@@ -71,36 +70,35 @@ DP2_TP2 = ["cluster.devices=4", "parallel.tp=2"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, worlds):
     run_dir = tmp_path_factory.mktemp("single")
-    run_cli([*COMMON, "cluster.devices=1"], run_dir)
+    worlds.train([*COMMON, "cluster.devices=1"], run_dir)
     return losses(run_dir)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "selective_op", "selective_layer"])
-def test_activation_checkpointing_keeps_losses_under_dp2_tp2(mode, reference, tmp_path):
-    run_cli([*COMMON, *DP2_TP2, "callbacks=[activation_checkpointing]",
+def test_activation_checkpointing_keeps_losses_under_dp2_tp2(mode, reference, tmp_path, worlds):
+    worlds.train([*COMMON, *DP2_TP2, "callbacks=[activation_checkpointing]",
              f"callbacks.activation_checkpointing.mode={mode}"], tmp_path)
     assert_losses_match(losses(tmp_path), reference, rtol=1e-6)
 
 
 @pytest.mark.slow
-def test_compile_x_tp_x_fsdp_matches_eager_single_process(reference, tmp_path, tmp_path_factory):
+def test_compile_x_tp_x_fsdp_matches_eager_single_process(reference, tmp_path, worlds):
     """Guards the silent compile x TP x FSDP bug (residual stream as local tensors between blocks):
     compiled dp2 x tp2 with selective AC against eager on one process. Observed agreement ~1e-7;
     the bound is 1e-5 (the bug moved the loss by 1e-2 within 3 steps)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
-    run_cli([*COMMON, *DP2_TP2, "callbacks=[compile,activation_checkpointing]"], tmp_path)
+    worlds.train([*COMMON, *DP2_TP2, "callbacks=[compile,activation_checkpointing]"], tmp_path)
     assert_losses_match(losses(tmp_path), reference, rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_checkpoint_with_activation_checkpointing_resumes_without_it(tmp_path):
+def test_checkpoint_with_activation_checkpointing_resumes_without_it(tmp_path, worlds):
     """Checkpoint wrappers must not leak into checkpoint names (a DCP save failed with them once)."""
     steps = [*TINY, "trainer.max_steps=4", "seed=0", "precision=32-true", "checkpoint.every_n_steps=2"]
-    run_cli([*steps, "callbacks=[activation_checkpointing]", "callbacks.activation_checkpointing.mode=full"],
-            tmp_path / "ac")
-    run_cli([*steps, "cluster.devices=2", f"resume={tmp_path / 'ac' / 'checkpoints' / 'step-000002'}"],
-            tmp_path / "resumed")
+    worlds.train([*steps, "callbacks=[activation_checkpointing]", "callbacks.activation_checkpointing.mode=full"],
+                 tmp_path / "ac")
+    worlds.train([*steps, "cluster.devices=2", f"resume={tmp_path / 'ac' / 'checkpoints' / 'step-000002'}"],
+                 tmp_path / "resumed")
     assert_losses_match(losses(tmp_path / "resumed"), losses(tmp_path / "ac")[2:], rtol=1e-5)

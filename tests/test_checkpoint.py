@@ -25,10 +25,10 @@ DP2_TP2 = ["cluster.devices=4", "parallel.tp=2"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(tmp_path_factory, worlds) -> Path:
     """20 uninterrupted steps under dp2 x tp2, a checkpoint every 10."""
     run_dir = tmp_path_factory.mktemp("reference")
-    run_cli([*COMMON, *DP2_TP2, f"checkpoint.every_n_steps={EVERY}"], run_dir)
+    worlds.train([*COMMON, *DP2_TP2, f"checkpoint.every_n_steps={EVERY}"], run_dir)
     return run_dir
 
 
@@ -41,28 +41,28 @@ def test_async_saves_are_published_complete(reference):
         assert sorted(p.name for p in (ckpt / "rng").iterdir()) == [f"rank-{r:05d}.pt" for r in range(4)]
 
 
-def test_resume_is_bitwise_exact(reference, tmp_path):
-    run_cli([*COMMON, *DP2_TP2, f"resume={reference / 'checkpoints' / 'step-000010'}"], tmp_path)
+def test_resume_is_bitwise_exact(reference, tmp_path, worlds):
+    worlds.train([*COMMON, *DP2_TP2, f"resume={reference / 'checkpoints' / 'step-000010'}"], tmp_path)
     assert [int(r["step"]) for r in read_metrics(tmp_path)] == list(range(EVERY, STEPS))  # continues
     assert losses(tmp_path) == losses(reference)[EVERY:]  # bitwise, not approximately
 
 
 @pytest.mark.parametrize("layout", [["cluster.devices=4", "parallel.pp=2"], ["cluster.devices=4"],
                                     ["cluster.devices=1"]], ids=["pp2xdp2", "dp4", "one-process"])
-def test_resume_into_another_layout(reference, tmp_path, layout):
+def test_resume_into_another_layout(reference, tmp_path, layout, worlds):
     """Weights, optimizer, LR schedule and the data position carry over: the data-parallel size
     changes (2 -> 2, 4, 1), and every later step sees the same samples as the uninterrupted run."""
-    run_cli([*COMMON, *layout, f"resume={reference / 'checkpoints' / 'step-000010'}"], tmp_path)
+    worlds.train([*COMMON, *layout, f"resume={reference / 'checkpoints' / 'step-000010'}"], tmp_path)
     assert [int(r["step"]) for r in read_metrics(tmp_path)] == list(range(EVERY, STEPS))
     assert_losses_match(losses(tmp_path), losses(reference)[EVERY:], rtol=1e-5)
 
 
-def test_resume_auto_skips_a_damaged_checkpoint(reference, tmp_path):
+def test_resume_auto_skips_a_damaged_checkpoint(reference, tmp_path, worlds):
     ckpts = tmp_path / "checkpoints"
     for step in ("step-000010", "step-000020"):
         shutil.copytree(reference / "checkpoints" / step, ckpts / step)
     _truncate_a_shard(ckpts / "step-000020")
-    proc = run_cli([*COMMON, "cluster.devices=2", "resume=auto"], tmp_path)
+    proc = worlds.train([*COMMON, "cluster.devices=2", "resume=auto"], tmp_path)
     assert "skipping damaged checkpoint" in proc.stderr and "resuming from" in proc.stderr
     assert f"{ckpts / 'step-000010'}" in proc.stderr
     assert_losses_match(losses(tmp_path), losses(reference)[EVERY:], rtol=1e-5)

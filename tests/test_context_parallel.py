@@ -5,7 +5,7 @@ import torch
 
 from lit_titan.strategies.context_parallel import balanced_positions
 
-from helpers import TINY, assert_losses_match, losses, run_cli
+from helpers import TINY, assert_losses_match, losses
 
 STEPS = 5
 COMMON = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "checkpoint.enabled=false"]
@@ -30,9 +30,9 @@ def test_indivisible_sequence_is_refused():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, worlds):
     run_dir = tmp_path_factory.mktemp("single")
-    run_cli([*COMMON, "cluster.devices=1"], run_dir)
+    worlds.train([*COMMON, "cluster.devices=1"], run_dir)
     return losses(run_dir)
 
 
@@ -49,6 +49,6 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_context_parallel_matches_single_process(layout, reference, tmp_path):
-    run_cli([*COMMON, *LAYOUTS[layout]], tmp_path)
+def test_context_parallel_matches_single_process(layout, reference, tmp_path, worlds):
+    worlds.train([*COMMON, *LAYOUTS[layout]], tmp_path)
     assert_losses_match(losses(tmp_path), reference, rtol=1e-5)

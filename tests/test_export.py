@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import LlamaForCausalLM
 
-from helpers import TINY, assert_losses_match, final_params, losses, run_job, run_cli
+from helpers import TINY, assert_losses_match, final_params, losses, run_job
 from lit_titan import export
 from lit_titan.config import ConfigError, compose, validate
 from lit_titan.models.llama3 import Transformer, get_flavor
@@ -192,10 +192,10 @@ def newest_checkpoint(run_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, worlds):
     """A dp2 (FSDP) run from seeded random init, exported with the command line; reused below."""
     root = tmp_path_factory.mktemp("trained")
-    run_cli([*COMMON, "trainer.max_steps=4", "cluster.devices=2"], root / "run")
+    worlds.train([*COMMON, "trainer.max_steps=4", "cluster.devices=2"], root / "run")
     proc = run_job([sys.executable, "-m", "lit_titan.export", str(newest_checkpoint(root / "run")),
                     str(root / "hf")], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -215,10 +215,10 @@ def test_trained_checkpoint_exports_and_round_trips_exactly(trained):
 
 
 @pytest.mark.slow
-def test_init_from_hf_trains_the_same_under_fsdp_and_tp(trained, tmp_path):
+def test_init_from_hf_trains_the_same_under_fsdp_and_tp(trained, tmp_path, worlds):
     start = [*COMMON, "trainer.max_steps=3", "checkpoint.enabled=false", f"model.init_from_hf={trained / 'hf'}"]
-    run_cli([*start, "cluster.devices=4", "parallel.tp=2"], tmp_path / "dp2tp2")
-    run_cli([*start, "cluster.devices=1"], tmp_path / "single")
+    worlds.train([*start, "cluster.devices=4", "parallel.tp=2"], tmp_path / "dp2tp2")
+    worlds.train([*start, "cluster.devices=1"], tmp_path / "single")
     assert_losses_match(losses(tmp_path / "dp2tp2"), losses(tmp_path / "single"), rtol=1e-5)
     # Same seed and data as the random-init run that produced the weights: a different first loss
     # shows the HF weights, not the seeded init, were trained.

@@ -47,8 +47,15 @@ def _meta_model(**overrides) -> nn.Module:
 
 
 def _run_script(out: Path, devices: int, *args: str) -> dict:
+    """The script as a command (GPU tests: a fresh process owns the device)."""
     proc = run_job([sys.executable, str(SCRIPT), str(out), str(devices), *args], timeout=300, cwd=out.parent)
     assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(out.read_text())
+
+
+def _run_in_world(worlds, out: Path, devices: int, *args: str) -> dict:
+    """The script's ``main`` on every rank of a reused gloo world (tests/world.py)."""
+    worlds.run(devices, "scripts.float8_dp2tp2:main", [str(out), str(devices), *args], timeout=300)
     return json.loads(out.read_text())
 
 
@@ -314,10 +321,10 @@ def test_float8_tp_through_strategy_and_planner_over_fake_pg(monkeypatch):
 
 # ---- training ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def single_process_runs(tmp_path_factory):
+def single_process_runs(tmp_path_factory, worlds):
     d = tmp_path_factory.mktemp("float8_runs")
-    return {"float8": _run_script(d / "float8.json", 1),
-            "bf16": _run_script(d / "bf16.json", 1, "float8=0")}
+    return {"float8": _run_in_world(worlds, d / "float8.json", 1),
+            "bf16": _run_in_world(worlds, d / "bf16.json", 1, "float8=0")}
 
 
 def test_emulated_float8_tracks_bf16(single_process_runs):
@@ -335,9 +342,9 @@ def test_emulated_float8_tracks_bf16(single_process_runs):
 
 
 @pytest.mark.slow
-def test_float8_dp2_tp2_gloo(single_process_runs, tmp_path):
+def test_float8_dp2_tp2_gloo(single_process_runs, tmp_path, worlds):
     # 5 steps of the same 20-step schedule; ordinary TP styles; FP8 all-gather over gloo.
-    got = _run_script(tmp_path / "dp2tp2.json", 4, "dp_shard=2", "tp=2", "max_steps=5")
+    got = _run_in_world(worlds, tmp_path / "dp2tp2.json", 4, "dp_shard=2", "tp=2", "max_steps=5")
     assert got["float8_modules"] == 14
     assert got["all_gather_dtypes"] == ["torch.float8_e4m3fn"]
     assert got["scales_set"] == [0, 14, 14, 14, 14]
@@ -347,10 +354,10 @@ def test_float8_dp2_tp2_gloo(single_process_runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_float8_tp_tp2_gloo_matches_one_process(single_process_runs, tmp_path):
+def test_float8_tp_tp2_gloo_matches_one_process(single_process_runs, tmp_path, worlds):
     # Real float8 TP styles over 2 gloo processes; gloo has no float8 collectives, so the script sends
     # those all-gathers as their bytes (uint8 views: same bytes, other transport dtype).
-    got = _run_script(tmp_path / "tp2_float8_tp.json", 2, "tp=2", "dp_shard=1", "max_steps=5",
+    got = _run_in_world(worlds, tmp_path / "tp2_float8_tp.json", 2, "tp=2", "dp_shard=1", "max_steps=5",
                       "float8.float8_tp=true")
     assert got["float8_modules"] == 14
     assert got["tp_float8_all_gathers"] == 5 * 2 * 4  # steps x blocks x (2 forward + 2 backward)

@@ -1,13 +1,14 @@
 """TitanStrategy parity: every layout trains to the single-process losses and weights.
 
-Each run is the real command line (Lightning's launcher, gloo processes on this CPU). The
-reference is a single-process run of the same seed and global batch, never a stored number.
+Each run is the training entry point (``lit_titan.train.main``) on real gloo processes of a
+reused world (tests/world.py). The reference is a single-process run of the same seed and global
+batch, never a stored number.
 """
 
 import pytest
 import torch
 
-from helpers import TINY, assert_losses_match, final_params, losses, read_metrics, run_cli, run_job
+from helpers import TINY, assert_losses_match, final_params, losses, read_metrics, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -25,14 +26,14 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, worlds):
     run_dir = tmp_path_factory.mktemp("single")
-    run_cli([*COMMON, "cluster.devices=1"], run_dir)
+    worlds.train([*COMMON, "cluster.devices=1"], run_dir)
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def reference_micro4(tmp_path_factory):
+def reference_micro4(tmp_path_factory, worlds):
     """One process with gradient accumulation 2 (micro-batch 4), for the accumulation layout.
 
     Known limitation (docs/architecture.md, "Data order"): litdata's stream order can depend on
@@ -40,13 +41,13 @@ def reference_micro4(tmp_path_factory):
     using the same micro-batch rather than one without accumulation.
     """
     run_dir = tmp_path_factory.mktemp("single_micro4")
-    run_cli([*COMMON, "cluster.devices=1", "data.micro_batch_size=4"], run_dir)
+    worlds.train([*COMMON, "cluster.devices=1", "data.micro_batch_size=4"], run_dir)
     return run_dir
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_single_process(layout, reference, reference_micro4, tmp_path):
-    run_cli([*COMMON, *LAYOUTS[layout]], tmp_path)
+def test_layout_matches_single_process(layout, reference, reference_micro4, tmp_path, worlds):
+    worlds.train([*COMMON, *LAYOUTS[layout]], tmp_path)
     if layout == "dp2_accum2":
         reference = reference_micro4
     ref_losses = losses(reference)
@@ -60,12 +61,12 @@ def test_layout_matches_single_process(layout, reference, reference_micro4, tmp_
         torch.testing.assert_close(got[name], ref, rtol=0, atol=1e-4, msg=name)
 
 
-def test_bf16_mixed_stays_close_to_fp32(reference, tmp_path):
+def test_bf16_mixed_stays_close_to_fp32(reference, tmp_path, worlds):
     """bf16 compute with fp32 master weights and reductions (dp2): within 2e-2 relative of fp32.
 
     The bound is documented in docs/parallelism.md; bf16 has 8 mantissa bits (~4e-3 per op).
     """
-    run_cli([*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=bf16-mixed", "cluster.devices=2"], tmp_path)
+    worlds.train([*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=bf16-mixed", "cluster.devices=2"], tmp_path)
     got, ref = losses(tmp_path), losses(reference)
     assert_losses_match(got, ref, rtol=2e-2)
     assert got != ref  # bf16 really ran (identical numbers would mean fp32 was used)

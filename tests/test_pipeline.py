@@ -7,7 +7,7 @@ from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.plan import pipeline_units
 from lit_titan.strategies.pipeline import SCHEDULES, ZERO_BUBBLE, PipelineConfig, build_rank_model, split_units, stage_ids
 
-from helpers import TINY, assert_losses_match, losses, read_metrics, run_cli, run_job
+from helpers import TINY, assert_losses_match, losses, read_metrics, run_cli
 
 STEPS = 5
 COMMON = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "checkpoint.enabled=false"]
@@ -65,9 +65,9 @@ def test_rank_model_keeps_original_names_and_views_share_parameters():
 
 # ---- parity with one process (real gloo processes) -------------------------------------------------
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, worlds):
     run_dir = tmp_path_factory.mktemp("single")
-    run_cli([*COMMON, "cluster.devices=1"], run_dir)
+    worlds.train([*COMMON, "cluster.devices=1"], run_dir)
     return losses(run_dir)
 
 
@@ -81,8 +81,8 @@ LOSS_LAYOUTS = [(s, 2) for s in SCHEDULES if s not in ZERO_BUBBLE] + [("1F1B", 1
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,dp", LOSS_LAYOUTS,
                          ids=[f"pp2{'xdp2' if dp == 2 else ''}-{s}" for s, dp in LOSS_LAYOUTS])
-def test_every_schedule_matches_single_process(schedule, dp, reference, tmp_path):
-    run_cli([*COMMON, f"cluster.devices={2 * dp}", "parallel.pp=2", f"parallel.pp_schedule={schedule}"], tmp_path)
+def test_every_schedule_matches_single_process(schedule, dp, reference, tmp_path, worlds):
+    worlds.train([*COMMON, f"cluster.devices={2 * dp}", "parallel.pp=2", f"parallel.pp_schedule={schedule}"], tmp_path)
     assert_losses_match(losses(tmp_path), reference, rtol=1e-5)
 
 
@@ -93,18 +93,18 @@ def test_every_schedule_matches_single_process(schedule, dp, reference, tmp_path
     ["cluster.devices=8", "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
      "parallel.pp_schedule=Interleaved1F1B"],
 ], ids=["pp2xtp2", "pp2xdp2xtp2-Interleaved1F1B"])
-def test_pipeline_composes_with_tp_and_fsdp(layout, reference, tmp_path):
-    run_cli([*COMMON, *layout], tmp_path)
+def test_pipeline_composes_with_tp_and_fsdp(layout, reference, tmp_path, worlds):
+    worlds.train([*COMMON, *layout], tmp_path)
     assert_losses_match(losses(tmp_path), reference, rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_checkpoint_from_pp2xdp2_resumes_under_dp2(tmp_path):
+def test_checkpoint_from_pp2xdp2_resumes_under_dp2(tmp_path, worlds):
     steps = [*TINY, "trainer.max_steps=6", "seed=0", "precision=32-true", "checkpoint.every_n_steps=3"]
-    run_cli([*steps, "cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
-            tmp_path / "pp")
+    worlds.train([*steps, "cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
+                 tmp_path / "pp")
     ckpt = tmp_path / "pp" / "checkpoints" / "step-000003"
-    run_cli([*steps, "cluster.devices=2", f"resume={ckpt}"], tmp_path / "dp")
+    worlds.train([*steps, "cluster.devices=2", f"resume={ckpt}"], tmp_path / "dp")
     assert [int(r["step"]) for r in read_metrics(tmp_path / "dp")] == [3, 4, 5]
     assert_losses_match(losses(tmp_path / "dp"), losses(tmp_path / "pp")[3:], rtol=1e-5)
 
@@ -116,16 +116,11 @@ def test_microbatches_must_divide_the_rank_batch(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def _grads(tmp_path, devices, *strategy_kwargs):
+def _grads(worlds, tmp_path, devices, *strategy_kwargs):
     """Full gradients of step 0, merged over ranks (each rank holds its stages' parameters)."""
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).parent / "scripts" / "dump_grads.py"
     out = tmp_path / f"grads-{devices}-{'-'.join(strategy_kwargs) or 'single'}"
     out.mkdir()
-    proc = run_job([sys.executable, str(script), str(out), str(devices), *strategy_kwargs], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    worlds.run(devices, "scripts.dump_grads:main", [str(out), str(devices), *strategy_kwargs], timeout=300)
     merged = {}
     for f in sorted(out.glob("rank*.pt")):
         merged.update(torch.load(f, weights_only=True))
@@ -133,19 +128,19 @@ def _grads(tmp_path, devices, *strategy_kwargs):
 
 
 @pytest.fixture(scope="module")
-def reference_grads(tmp_path_factory):
-    return _grads(tmp_path_factory.mktemp("grads"), 1, "model.n_layers=6")
+def reference_grads(tmp_path_factory, worlds):
+    return _grads(worlds, tmp_path_factory.mktemp("grads"), 1, "model.n_layers=6")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ZERO_BUBBLE)
-def test_pp2xdp2_gradients_match_single_process(schedule, reference_grads, tmp_path):
+def test_pp2xdp2_gradients_match_single_process(schedule, reference_grads, tmp_path, worlds):
     """Gradient-level parity: the zero-bubble x FSDP2 trap moves gradients of one stage by ~1e-3
     (or drops them), which 5 steps of losses can hide; gradients cannot. Six layers give each of
     the 4 stages two FSDP units, so a stage has a unit that could reshard after forward (a lone
     unit is its stage's last and never does)."""
     ref = reference_grads
-    got = _grads(tmp_path, 4, "model.n_layers=6", "pp=2", "dp_shard=2", f"pp_schedule={schedule}")
+    got = _grads(worlds, tmp_path, 4, "model.n_layers=6", "pp=2", "dp_shard=2", f"pp_schedule={schedule}")
     assert got.keys() == ref.keys(), sorted(set(ref) ^ set(got))
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -1,7 +1,8 @@
 """Train one step through the Python API and save every rank's full gradients.
 
 Usage: dump_grads.py OUT_DIR DEVICES [strategy kwargs as key=value ...]
-Run as a script: Lightning's launcher re-runs it for the other ranks.
+Run as a script (Lightning's launcher re-runs it for the other ranks), or call ``main(argv)`` on
+every rank of a running world (tests/world.py).
 """
 
 import os
@@ -29,10 +30,11 @@ class DumpGrads(L.Callback):
         torch.save(grads, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
-def main() -> None:
-    out_dir, devices = sys.argv[1], int(sys.argv[2])
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    out_dir, devices = argv[0], int(argv[1])
     kwargs, model = {}, {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
-    for item in sys.argv[3:]:  # strategy kwargs, or model.<arg>=N
+    for item in argv[2:]:  # strategy kwargs, or model.<arg>=N
         key, value = item.split("=", 1)
         parsed = int(value) if value.lstrip("-").isdigit() else value
         if key.startswith("model."):

@@ -4,13 +4,16 @@ Usage: float8_dp2tp2.py OUT_JSON DEVICES [key=value ...]
   strategy kwargs (dp_shard=2 tp=2 ...), precision=bf16-mixed, accelerator=cpu, float8=0|1,
   steps=N (the LR schedule's length), max_steps=M (stop after M <= N steps: same schedule, fewer steps),
   float8.<Float8 kwarg>=value (recipe, enable_fsdp_float8_all_gather, precompute_scales, emulate, float8_tp).
-Run as a script: Lightning's launcher re-runs it for the other ranks (hence the __main__ guard).
+Run as a script (Lightning's launcher re-runs it for the other ranks, hence the __main__ guard), or
+call ``main(argv)`` on every rank of a running world (tests/world.py): the watches it installs are
+removed again when it returns, so the next case in the same process starts clean.
 
 With float8.float8_tp=true on CPU, gloo (which has no float8 collectives: "Invalid scalar type") is
 sent the float8 TP all-gathers as their raw bytes (uint8 views, see ``_watch_float8_tp_all_gather``):
 an all-gather only copies bytes, so this changes the transport dtype and nothing else.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -27,7 +30,7 @@ GATHERED_DTYPES: set[str] = set()
 TP_FLOAT8_GATHERS = [0]  # float8 all-gathers of the TP styles (funcol on torchao's Float8TrainingTensor)
 
 
-def _watch_float8_all_gather() -> None:
+def _watch_float8_all_gather(stack: contextlib.ExitStack) -> None:
     """Record the dtypes FSDP all-gathers for torchao's float8 weights (proves the FP8 all-gather ran)."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
@@ -39,9 +42,10 @@ def _watch_float8_all_gather() -> None:
         return out
 
     WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = watched
+    stack.callback(setattr, WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", original)
 
 
-def _watch_float8_tp_all_gather(as_bytes: bool) -> None:
+def _watch_float8_tp_all_gather(as_bytes: bool, stack: contextlib.ExitStack) -> None:
     """Count the float8 all-gathers torchao's float8 TP styles issue; with ``as_bytes`` send them as uint8.
 
     FSDP's float8 all-gather does not pass here (FSDP gathers its own uint8 buffers), so the count is
@@ -64,6 +68,7 @@ def _watch_float8_tp_all_gather(as_bytes: bool) -> None:
                                         t._gemm_input_role)
 
         FLOAT8_OPS_TABLE[op] = watched
+        stack.callback(FLOAT8_OPS_TABLE.__setitem__, op, original)
 
 
 class Record(L.Callback):
@@ -95,11 +100,12 @@ def _parse(value: str):
     return int(value) if value.lstrip("-").isdigit() else value
 
 
-def main() -> None:
-    out, devices = sys.argv[1], int(sys.argv[2])
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    out, devices = argv[0], int(argv[1])
     strategy_kwargs, float8_kwargs = {}, {"emulate": True, "auto_filter_small_kn": False}
     precision, accelerator, steps, max_steps, use_float8 = "bf16-mixed", "cpu", 20, None, True
-    for item in sys.argv[3:]:
+    for item in argv[2:]:
         key, value = item.split("=", 1)
         if key == "precision":
             precision = value
@@ -115,8 +121,15 @@ def main() -> None:
             float8_kwargs[key.removeprefix("float8.")] = _parse(value)
         else:
             strategy_kwargs[key] = _parse(value)
-    _watch_float8_all_gather()
-    _watch_float8_tp_all_gather(as_bytes=accelerator == "cpu")
+    GATHERED_DTYPES.clear()
+    TP_FLOAT8_GATHERS[0] = 0
+    with contextlib.ExitStack() as stack:
+        _watch_float8_all_gather(stack)
+        _watch_float8_tp_all_gather(accelerator == "cpu", stack)
+        _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8)
+
+
+def _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8) -> None:
     torch.manual_seed(0)
     module = PretrainModule("llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
                             {"total_steps": steps, "warmup_steps": 2})
