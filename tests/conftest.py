@@ -1,7 +1,14 @@
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+# One inductor cache for the whole suite and every process it starts (worlds, command lines): the
+# first compile of a graph pays the C++ build, every later one (other ranks, the next run of the
+# suite on this machine) loads it. Outside pytest's per-session temporary directory on purpose.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "lit-titan-tests-inductor"))
 
 
 @pytest.fixture(scope="session", autouse=True)
