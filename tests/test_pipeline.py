@@ -68,7 +68,26 @@ def test_rank_model_keeps_original_names_and_views_share_parameters():
 def reference(tmp_path_factory, worlds):
     run_dir = tmp_path_factory.mktemp("single")
     worlds.train([*COMMON, "cluster.devices=1"], run_dir)
-    return losses(run_dir)
+    return run_dir
+
+
+def _grad_norms(run_dir):
+    return [float(r["train/grad_norm"]) for r in read_metrics(run_dir) if r.get("train/grad_norm")]
+
+
+def assert_matches_reference(run_dir, reference):
+    """Losses to 1e-5 and gradient norms to 1e-3 of one process.
+
+    Loss parity under AdamW is blind to a uniform gradient-scale error (a loss not divided by the
+    pipeline's micro-batches trains to the same losses: Adam's m/sqrt(v) cancels the scale); the
+    logged global gradient norm is not. 1e-3: torch's fp32 norm over the model differs by up to
+    ~3e-4 between shardings (shared/design.md).
+    """
+    assert_losses_match(losses(run_dir), losses(reference), rtol=1e-5)
+    got, ref = _grad_norms(run_dir), _grad_norms(reference)
+    assert len(got) == len(ref) == STEPS and min(ref) > 0
+    worst = max(abs(g - r) / r for g, r in zip(got, ref))
+    assert worst <= 1e-3, f"gradient norms differ by {worst:.3g}: {got} vs {ref}"
 
 
 # Every schedule trains with losses equal to one process. Under pp2 x dp2 (FSDP inside stages);
@@ -83,7 +102,7 @@ LOSS_LAYOUTS = [(s, 2) for s in SCHEDULES if s not in ZERO_BUBBLE] + [("1F1B", 1
                          ids=[f"pp2{'xdp2' if dp == 2 else ''}-{s}" for s, dp in LOSS_LAYOUTS])
 def test_every_schedule_matches_single_process(schedule, dp, reference, tmp_path, worlds):
     worlds.train([*COMMON, f"cluster.devices={2 * dp}", "parallel.pp=2", f"parallel.pp_schedule={schedule}"], tmp_path)
-    assert_losses_match(losses(tmp_path), reference, rtol=1e-5)
+    assert_matches_reference(tmp_path, reference)
 
 
 @pytest.mark.slow
@@ -95,7 +114,7 @@ def test_every_schedule_matches_single_process(schedule, dp, reference, tmp_path
 ], ids=["pp2xtp2", "pp2xdp2xtp2-Interleaved1F1B"])
 def test_pipeline_composes_with_tp_and_fsdp(layout, reference, tmp_path, worlds):
     worlds.train([*COMMON, *layout], tmp_path)
-    assert_losses_match(losses(tmp_path), reference, rtol=1e-5)
+    assert_matches_reference(tmp_path, reference)
 
 
 @pytest.mark.slow
