@@ -1,7 +1,7 @@
 """Train a few steps through the Python API, optionally with Float8, and write rank 0's losses.
 
 Usage: float8_dp2tp2.py OUT_JSON DEVICES [key=value ...]
-  strategy kwargs (dp_shard=2 tp=2 ...), precision=bf16-mixed, accelerator=cpu, float8=0|1,
+  strategy kwargs (dp_shard=2 tp=2 ...), precision=bf16-mixed, accelerator=cpu, float8=0|1, compile=0|1,
   steps=N (the LR schedule's length), max_steps=M (stop after M <= N steps: same schedule, fewer steps),
   float8.<Float8 kwarg>=value (recipe, enable_fsdp_float8_all_gather, precompute_scales, emulate, float8_tp).
 Run as a script: Lightning's launcher re-runs it for the other ranks (hence the __main__ guard).
@@ -19,6 +19,7 @@ import lightning as L
 import torch
 
 from lit_titan import PretrainModule, TitanStrategy
+from lit_titan.callbacks import Compile
 from lit_titan.callbacks.float8 import Float8
 from lit_titan.data import PretrainDataModule
 
@@ -98,7 +99,7 @@ def _parse(value: str):
 def main() -> None:
     out, devices = sys.argv[1], int(sys.argv[2])
     strategy_kwargs, float8_kwargs = {}, {"emulate": True, "auto_filter_small_kn": False}
-    precision, accelerator, steps, max_steps, use_float8 = "bf16-mixed", "cpu", 20, None, True
+    precision, accelerator, steps, max_steps, use_float8, use_compile = "bf16-mixed", "cpu", 20, None, True, False
     for item in sys.argv[3:]:
         key, value = item.split("=", 1)
         if key == "precision":
@@ -109,6 +110,8 @@ def main() -> None:
             steps = int(value)
         elif key == "max_steps":
             max_steps = int(value)
+        elif key == "compile":
+            use_compile = bool(int(value))
         elif key == "float8":
             use_float8 = bool(int(value))
         elif key.startswith("float8."):
@@ -123,7 +126,7 @@ def main() -> None:
     data = PretrainDataModule(seq_len=32, global_batch_size=8, max_bytes=300_000,
                               tokenizer={"kind": "bpe", "vocab_size": 512}, model_vocab_size=512,
                               data_dir=os.environ["LIT_TITAN_CACHE"])
-    callbacks = [Record(out)] + ([Float8(**float8_kwargs)] if use_float8 else [])
+    callbacks = [Record(out)] + ([Float8(**float8_kwargs)] if use_float8 else []) + ([Compile()] if use_compile else [])
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=TitanStrategy(**strategy_kwargs),
                         precision=precision, max_steps=max_steps or steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
