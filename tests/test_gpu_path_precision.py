@@ -105,6 +105,22 @@ def test_tf32_config_key_reaches_the_strategy():
     assert build_strategy(compose(["tf32=false"])).tf32 is False
 
 
+def test_strategy_sets_tf32_on_cuda_and_restores_it(monkeypatch):
+    """The strategy's wiring, with its device pretended to be a GPU (nothing runs on it)."""
+    monkeypatch.setattr(TitanStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
+    before = torch.get_float32_matmul_precision()
+    strategy = TitanStrategy()  # Lightning's default precision plugin: 32-true
+    try:
+        strategy._set_matmul_precision()
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        strategy._restore_matmul_precision()
+    assert torch.get_float32_matmul_precision() == before == "highest"
+    off = TitanStrategy(tf32=False)
+    off._set_matmul_precision()
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
 # ---- grouped-query attention --------------------------------------------------------------------
 class _RecordSDPA(TorchDispatchMode):
     """Shapes of (q, k, v) of every SDPA forward kernel call."""

@@ -190,6 +190,11 @@ class TitanStrategy(ModelParallelStrategy):
             self._saved_matmul_precision = torch.get_float32_matmul_precision()
             torch.set_float32_matmul_precision(choice)
 
+    def _restore_matmul_precision(self) -> None:
+        if self._saved_matmul_precision is not None:
+            torch.set_float32_matmul_precision(self._saved_matmul_precision)
+            self._saved_matmul_precision = None
+
     def _setup_distributed(self) -> None:
         self._init_process_group_after_restart()
         super()._setup_distributed()  # Lightning's: ranks, seeds; skips the init when already done
@@ -317,9 +322,7 @@ class TitanStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         self.checkpoint_writer.wait()  # a save in flight needs the process group
         super().teardown()
-        if self._saved_matmul_precision is not None:  # an in-process fit leaves torch as it found it
-            torch.set_float32_matmul_precision(self._saved_matmul_precision)
-            self._saved_matmul_precision = None
+        self._restore_matmul_precision()  # an in-process fit leaves torch as it found it
         # An in-process fit (notebook, Python API) must not leave its process group behind: the
         # next fit, the planner's fake group or a data pipeline would take it for a live job.
         if getattr(self, "_owns_process_group", False) and torch.distributed.is_initialized():
