@@ -16,7 +16,6 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
