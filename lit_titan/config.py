@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lit_titan.errors import ConfigError
 from lit_titan.models.llama3 import ModelArgs, get_flavor
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
@@ -16,10 +17,6 @@ LOGGERS = ("csv", "tensorboard", "wandb")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
                   "max_seq_len")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key to change."""
 
 
 def conf_dir() -> Path:
@@ -79,7 +76,7 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         raise ConfigError(f"data.seq_len={seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
                           f"{cfg.model.name}; lower data.seq_len or raise model.max_seq_len")
     if cfg.model.get("init_from_hf"):
-        from lit_titan.models.llama3.hf import check_hf_dir
+        from lit_titan.models.llama3.hf import check_hf_dir  # lazy: only runs that start from HF weights
 
         check_hf_dir(str(cfg.model.init_from_hf), args)  # FileNotFoundError / ConfigError naming the fix
     if int(cfg.trainer.max_steps) < 1:

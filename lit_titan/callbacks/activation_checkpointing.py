@@ -15,16 +15,27 @@ MODES = ("none", "full", "selective_op", "selective_layer")
 
 # Outputs worth keeping in selective per-op mode: the matmuls and attention (expensive to
 # recompute, TorchTitan's choice), plus collectives (recomputing them would communicate again).
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_mm.default,
-    torch.ops.c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-}
+# Attention is named once per SDPA kernel torch may pick: flash/efficient/cuDNN on CUDA (cuDNN is
+# preferred on H100 by recent torch), flash_for_cpu on CPU; ops a torch version lacks are skipped.
+_SAVE_OP_NAMES = (
+    "mm", "addmm",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_mm",
+)
+
+
+def _save_ops() -> frozenset:
+    ops = {getattr(torch.ops.aten, name).default for name in _SAVE_OP_NAMES if hasattr(torch.ops.aten, name)}
+    for namespace in ("c10d_functional", "_c10d_functional"):
+        if hasattr(getattr(torch.ops, namespace), "reduce_scatter_tensor"):
+            ops.add(getattr(torch.ops, namespace).reduce_scatter_tensor.default)
+    return frozenset(ops)
+
+
+_SAVE_OPS = _save_ops()
 
 
 def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -40,6 +40,7 @@ from lit_titan.strategies.pipeline import (
     stage_ids,
 )
 from lit_titan.strategies.plan import ParallelPlan, plan_for
+from lit_titan.strategies.precision import float32_matmul_precision
 from lit_titan.strategies.tensor_parallel import StyleRewrite, apply_tensor_parallel
 
 # Slots, in application order, where callbacks (Float8, activation checkpointing, compile) plug
@@ -69,6 +70,7 @@ class TitanStrategy(ModelParallelStrategy):
         pp_stages_per_rank: int | None = None,
         pp_stages: list[list[str]] | None = None,
         plan: ParallelPlan | None = None,
+        tf32: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -80,6 +82,8 @@ class TitanStrategy(ModelParallelStrategy):
         self._plan = plan
         self.fsdp_config = FSDPConfig(reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
         self.loss_parallel = loss_parallel
+        self.tf32 = tf32
+        self._saved_matmul_precision: str | None = None  # restored at teardown (in-process fits)
         self.pipeline_config = PipelineConfig(
             schedule=pp_schedule, microbatches=pp_microbatches, stages_per_rank=pp_stages_per_rank,
             stages=tuple(tuple(s) for s in pp_stages) if pp_stages else None,
@@ -166,6 +170,10 @@ class TitanStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Validate before the process group and mesh exist: a bad layout fails in seconds.
         self.parallel_dims = self.resolve_dims()
+        self._set_matmul_precision()
+        # Lightning's Strategy.setup_environment does this (torch.cuda.set_device on GPUs); without it
+        # every rank's current CUDA device would be whatever DeviceMesh guesses.
+        self.accelerator.setup_device(self.root_device)
         if self.root_device.type == "cpu":
             # N processes on one host share its cores; without this each takes them all.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
@@ -174,6 +182,18 @@ class TitanStrategy(ModelParallelStrategy):
         self.init_layout(self.parallel_dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _set_matmul_precision(self) -> None:
+        """TF32 matmuls for 32-true on CUDA (``strategies/precision.py``); undone at teardown."""
+        choice = float32_matmul_precision(self.precision_plugin.precision, self.root_device.type, self.tf32)
+        if choice is not None and self._saved_matmul_precision is None:
+            self._saved_matmul_precision = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision(choice)
+
+    def _restore_matmul_precision(self) -> None:
+        if self._saved_matmul_precision is not None:
+            torch.set_float32_matmul_precision(self._saved_matmul_precision)
+            self._saved_matmul_precision = None
 
     def _setup_distributed(self) -> None:
         self._init_process_group_after_restart()
@@ -302,6 +322,7 @@ class TitanStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         self.checkpoint_writer.wait()  # a save in flight needs the process group
         super().teardown()
+        self._restore_matmul_precision()  # an in-process fit leaves torch as it found it
         # An in-process fit (notebook, Python API) must not leave its process group behind: the
         # next fit, the planner's fake group or a data pipeline would take it for a live job.
         if getattr(self, "_owns_process_group", False) and torch.distributed.is_initialized():

@@ -1,7 +1,7 @@
 """Train a few steps through the Python API, optionally with Float8, and write rank 0's losses.
 
 Usage: float8_dp2tp2.py OUT_JSON DEVICES [key=value ...]
-  strategy kwargs (dp_shard=2 tp=2 ...), precision=bf16-mixed, accelerator=cpu, float8=0|1,
+  strategy kwargs (dp_shard=2 tp=2 ...), precision=bf16-mixed, accelerator=cpu, float8=0|1, compile=0|1,
   steps=N (the LR schedule's length), max_steps=M (stop after M <= N steps: same schedule, fewer steps),
   float8.<Float8 kwarg>=value (recipe, enable_fsdp_float8_all_gather, precompute_scales, emulate, float8_tp).
 Run as a script (Lightning's launcher re-runs it for the other ranks, hence the __main__ guard), or
@@ -22,6 +22,7 @@ import lightning as L
 import torch
 
 from lit_titan import PretrainModule, TitanStrategy
+from lit_titan.callbacks import Compile
 from lit_titan.callbacks.float8 import Float8
 from lit_titan.data import PretrainDataModule
 
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     out, devices = argv[0], int(argv[1])
     strategy_kwargs, float8_kwargs = {}, {"emulate": True, "auto_filter_small_kn": False}
-    precision, accelerator, steps, max_steps, use_float8 = "bf16-mixed", "cpu", 20, None, True
+    precision, accelerator, steps, max_steps, use_float8, use_compile = "bf16-mixed", "cpu", 20, None, True, False
     for item in argv[2:]:
         key, value = item.split("=", 1)
         if key == "precision":
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
             steps = int(value)
         elif key == "max_steps":
             max_steps = int(value)
+        elif key == "compile":
+            use_compile = bool(int(value))
         elif key == "float8":
             use_float8 = bool(int(value))
         elif key.startswith("float8."):
@@ -126,17 +129,19 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         _watch_float8_all_gather(stack)
         _watch_float8_tp_all_gather(accelerator == "cpu", stack)
-        _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8)
+        _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8,
+               use_compile)
 
 
-def _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8) -> None:
+def _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8,
+           use_compile) -> None:
     torch.manual_seed(0)
     module = PretrainModule("llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
                             {"total_steps": steps, "warmup_steps": 2})
     data = PretrainDataModule(seq_len=32, global_batch_size=8, max_bytes=300_000,
                               tokenizer={"kind": "bpe", "vocab_size": 512}, model_vocab_size=512,
                               data_dir=os.environ["LIT_TITAN_CACHE"])
-    callbacks = [Record(out)] + ([Float8(**float8_kwargs)] if use_float8 else [])
+    callbacks = [Record(out)] + ([Float8(**float8_kwargs)] if use_float8 else []) + ([Compile()] if use_compile else [])
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=TitanStrategy(**strategy_kwargs),
                         precision=precision, max_steps=max_steps or steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_titan.errors import ConfigError
 from lit_titan.models.init import canonical_name
 from lit_titan.models.llama3.args import ModelArgs, RopeScaling
 
@@ -270,11 +271,10 @@ def _tied_source(hf_name: str, available: dict[str, Any], config: dict[str, Any]
 def check_hf_dir(path: str, args: ModelArgs) -> None:
     """Refuse a HF directory that is missing or does not match ``args``, before any process starts.
 
-    Raises FileNotFoundError (missing directory, config or weights) or
-    ``lit_titan.config.ConfigError`` naming the ``model.*`` overrides that would match it.
+    Raises FileNotFoundError (missing directory, config or weights) or ``ConfigError`` (from
+    ``lit_titan.errors``, re-exported by ``lit_titan.config``) naming the ``model.*`` overrides that
+    would match it.
     """
-    from lit_titan.config import ConfigError  # lazy: lit_titan.config imports this module lazily too
-
     where = f"model.init_from_hf={path}"
     root = Path(path).expanduser()
     hint = "point it at a Hugging Face Llama directory (config.json + *.safetensors), e.g. written by " \
@@ -304,8 +304,6 @@ def check_hf_dir(path: str, args: ModelArgs) -> None:
 def _check_weights(root: Path, args: ModelArgs, config: dict[str, Any], where: str, hint: str) -> None:
     """Every tensor the model needs is present, in an existing file, with the right shape."""
     from safetensors import safe_open
-
-    from lit_titan.config import ConfigError
 
     try:
         files = weight_files(root)
@@ -340,10 +338,11 @@ def _check_weights(root: Path, args: ModelArgs, config: dict[str, Any], where: s
 def load_hf_weights(model: nn.Module, path: str) -> None:
     """Copy a HF checkpoint into ``model``, whose parameters may be FSDP/TP DTensors or a PP stage.
 
-    Each rank reads only the tensors of the parameters it holds (a pipeline stage: its own
-    layers, under their original names), one at a time, and keeps its shard of each: the full
-    tensor is read, un-permuted (q/k rows) and sliced locally with ``distribute_tensor(...,
-    src_data_rank=None)``, as ``init_weights`` does, so no collective runs and any placement works.
+    Each rank reads only what it holds: the tensors of its own parameters (a pipeline stage: its
+    layers, under their original names), and of each only the slice its shard covers
+    (safetensors ``get_slice``, the same offsets DCP uses for the DTensor), so at world size N a
+    rank of a fully sharded model reads about 1/N of the checkpoint. No collective runs, so any
+    placement works.
     """
     from safetensors import safe_open
 
@@ -360,23 +359,56 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
         with safe_open(str(file), framework="pt") as f:
             for name, param, source in plan:
                 if files[source] == file:
-                    full = f.get_tensor(source)
                     rotary = _rotary_heads(canonical_name(name), heads, kv_heads)
-                    _copy_full_into(param, full if rotary is None else half_to_interleaved(full, rotary), name)
+                    _copy_local_into(param, f.get_slice(source), rotary, name)
 
 
-def _copy_full_into(param: Tensor, full: Tensor, name: str) -> None:
-    """Write a full tensor into a parameter, plain or DTensor (keeping only the local shard)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+def local_region(param: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, sizes) of the block of ``param`` this rank holds: all of it unless a DTensor.
 
-    if tuple(full.shape) != tuple(param.shape):
-        raise ValueError(f"{name}: Hugging Face tensor has shape {list(full.shape)}, the model {list(param.shape)}")
-    if isinstance(param, DTensor):
-        local = param.to_local()
-        full = full.to(device=local.device, dtype=local.dtype)
-        local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local())
-    else:
-        param.copy_(full)
+    For a DTensor this is the chunk DCP saves for it (``__create_chunk_list__``), FSDP x TP strided
+    sharding included.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return (0,) * param.dim(), tuple(param.shape)
+    chunks = param.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise ValueError(f"a parameter with {len(chunks)} local chunks cannot be loaded from Hugging Face weights")
+    return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+
+
+def read_region(tensor_slice: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                rotary_heads: int | None = None) -> Tensor:
+    """Our rows/columns ``offsets:offsets+sizes`` of one HF tensor, reading only that block.
+
+    q/k projections (``rotary_heads``) are stored in HF's rotary layout, a permutation of the rows
+    within each head: the whole heads that overlap the block are read, un-permuted, then cut.
+    """
+    index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+    if rotary_heads is None:
+        return tensor_slice[index] if index else tensor_slice[:]
+    head_dim = int(tensor_slice.get_shape()[0]) // rotary_heads
+    first, stop = offsets[0] // head_dim, -(-(offsets[0] + sizes[0]) // head_dim)
+    block = tensor_slice[(slice(first * head_dim, stop * head_dim), *index[1:])]
+    start = offsets[0] - first * head_dim
+    return half_to_interleaved(block, stop - first)[start:start + sizes[0]]
+
+
+def _copy_local_into(param: Tensor, tensor_slice: Any, rotary_heads: int | None, name: str) -> None:
+    """Write this rank's block of one HF tensor into a parameter, plain or DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    shape = tuple(int(n) for n in tensor_slice.get_shape())
+    if shape != tuple(param.shape):
+        raise ValueError(f"{name}: Hugging Face tensor has shape {list(shape)}, the model {list(param.shape)}")
+    local = param.to_local() if isinstance(param, DTensor) else param
+    offsets, sizes = local_region(param)
+    if tuple(local.shape) != sizes:
+        raise ValueError(f"{name}: local shard {list(local.shape)} is not the block {list(sizes)} its placements give")
+    if local.numel():
+        local.copy_(read_region(tensor_slice, offsets, sizes, rotary_heads))
 
 
 # ---- writing -------------------------------------------------------------------------------------

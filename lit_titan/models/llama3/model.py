@@ -58,24 +58,16 @@ def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.flatten(-2).type_as(x)
 
 
-def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
-    """[b, kv, s, d] -> [b, kv * n_rep, s, d] for grouped-query attention."""
-    if n_rep == 1:
-        return x
-    b, kv, s, d = x.shape
-    return x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
-
-
 class CoreAttention(nn.Module):
     """Causal grouped-query attention: q [b, heads, s, d], k/v [b, kv_heads, s, d].
 
-    A module, taking k/v before the head repeat, so context parallelism can swap it and
-    communicate kv_heads rather than heads.
+    K/V stay at kv_heads width: SDPA's ``enable_gqa`` (torch >= 2.5) shares each K/V head among
+    its query heads inside the kernel, so no [b, heads, s, d] copy of K and V is made (nor saved
+    for backward). A module, so context parallelism can swap it and communicate kv_heads too.
     """
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        n_rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
