@@ -157,17 +157,21 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> d
     if hbm:
         capacity = (hbm - HBM_RESERVE_GIB) * GIB
         if plan["max_total_bytes"] > capacity:
+            unsharded_hint = ("keep gradients sharded (parallel.grad_reduce_scatter=every_microbatch), "
+                              if grad_bytes > param_bytes else "")
             where = f"pp rank {plan.get('most_loaded_pp_rank', 0)}" if dims.pp > 1 else "rank 0"
             reasons.append(f"out of memory: {where} needs an estimated {plan['max_total_bytes'] / GIB:.1f} GiB "
                            f"(params {param_bytes / GIB:.1f} + grads {grad_bytes / GIB:.1f} + AdamW "
                            f"{optimizer_bytes / GIB:.1f} + activations {act0['total'] / GIB:.1f} + FSDP buffers "
-                           f"{buffers / GIB:.1f} on rank 0) > {hbm} GiB HBM - {HBM_RESERVE_GIB:g} GiB reserve; "
-                           f"shard more (parallel.tp/pp), checkpoint activations (mode=full) or lower "
-                           f"data.micro_batch_size")
+                           f"{buffers / GIB:.1f} on rank 0) > {hbm:g} GiB HBM - {HBM_RESERVE_GIB:g} GiB reserve; "
+                           f"{unsharded_hint}shard more (parallel.tp/pp), checkpoint activations (mode=full) or "
+                           f"lower data.micro_batch_size")
     else:  # not a reason against the layout: the fit is unknown (fits: null), said so
-        plan["fit_unknown"] = (f"the cluster profile has no hbm_gib (accelerator={cluster.get('accelerator')}) and no "
-                               f"CUDA GPU is visible here; add +cluster.hbm_gib=N (GiB per GPU), pick a profile "
-                               f"such as cluster=h100_8, or plan on the GPU machine")
+        on_gpu = cluster.get("accelerator") == "gpu"
+        plan["fit_unknown"] = ("the cluster profile has no hbm_gib" + (" and no CUDA GPU is visible here" if on_gpu else
+                                                                      f" (accelerator={cluster.get('accelerator')})")
+                               + "; add +cluster.hbm_gib=N (GiB per GPU), pick a profile such as cluster=h100_8"
+                               + (", or plan on the GPU machine" if on_gpu else ""))
 
     plan["perf"] = estimate.step_time(
         args, dims, cluster, layout, flops_per_token=plan["flops_per_token"], seq_len=seq_len,
