@@ -116,7 +116,8 @@ def _validate_grad_reduce_scatter(cfg: DictConfig, dims: ParallelDims) -> None:
 
     mode = cfg.parallel.get("grad_reduce_scatter", "every_microbatch")
     if mode not in GRAD_REDUCE_SCATTER:
-        raise ConfigError(f"parallel.grad_reduce_scatter={mode!r} is not an option; choose one of {GRAD_REDUCE_SCATTER}")
+        raise ConfigError(f"parallel.grad_reduce_scatter={mode!r} is not an option; "
+                          f"choose one of {GRAD_REDUCE_SCATTER}")
     if mode == "last_microbatch" and dims.pp > 1:
         raise ConfigError(PP_LAST_MICROBATCH)
 
