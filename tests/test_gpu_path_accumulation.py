@@ -227,3 +227,17 @@ def test_a_checkpoint_does_not_carry_its_adamw_kernel_over():
     plain = build_optimizer(model, OptimConfig())
     plain.load_state_dict(saver.state_dict())  # what torch does without it: the saver's kernel
     assert all(g["fused"] is True for g in plain.param_groups)
+
+
+def test_planner_reads_the_visible_gpu_when_the_profile_has_no_hbm(monkeypatch):
+    """A gpu profile without hbm_gib is judged against the visible GPU (faked here: no CUDA on CI)."""
+    from lit_titan.planner.core import GIB, hbm_gib
+
+    assert hbm_gib({"accelerator": "gpu", "hbm_gib": 80}) == (80.0, "cluster.hbm_gib")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(total_memory=int(79.2 * GIB), name="NVIDIA H100 80GB HBM3"))
+    gib, source = hbm_gib({"accelerator": "gpu"})
+    assert gib == pytest.approx(79.2) and "NVIDIA H100 80GB HBM3" in source
+    assert hbm_gib({"accelerator": "cpu"}) == (None, None)  # a CPU profile is not judged against a GPU
