@@ -83,6 +83,7 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
     _validate_fault(cfg, world_size(cfg))
     dims = parallel_dims(cfg)
+    _validate_grad_reduce_scatter(cfg, dims)
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=seq_len,
                   global_batch_size=int(cfg.data.global_batch_size),
                   micro_batch_size=cfg.data.micro_batch_size)
@@ -105,6 +106,17 @@ def _validate_fault(cfg: DictConfig, world: int) -> None:
         raise ConfigError(f"fault.kill_rank={fault.kill_rank} is not a rank of this {world}-process job")
     if fault.get("during_save") and not cfg.checkpoint.enabled:
         raise ConfigError("fault.during_save needs checkpoint.enabled=true")
+
+
+def _validate_grad_reduce_scatter(cfg: DictConfig, dims: ParallelDims) -> None:
+    from lit_titan.strategies.fsdp import GRAD_REDUCE_SCATTER, PP_LAST_MICROBATCH
+
+    mode = cfg.parallel.get("grad_reduce_scatter", "every_microbatch")
+    if mode not in GRAD_REDUCE_SCATTER:
+        raise ConfigError(f"parallel.grad_reduce_scatter={mode!r} is not an option; "
+                          f"choose one of {GRAD_REDUCE_SCATTER}")
+    if mode == "last_microbatch" and dims.pp > 1:
+        raise ConfigError(PP_LAST_MICROBATCH)
 
 
 def pipeline_config(cfg: DictConfig) -> PipelineConfig:

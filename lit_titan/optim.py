@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ class OptimConfig:
     schedule: str = "cosine"
     decay_ratio: float = 0.2
     total_steps: int = 100
+    # null/None: fused AdamW when every parameter is on CUDA, else torch's default (adamw_implementation)
     foreach: bool | None = None
     fused: bool | None = None
 
@@ -66,11 +68,56 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
+AdamWImplementation = Literal["fused", "foreach", "for_loop"]
+
+
+def adamw_implementation(params: Iterable[Any], *, fused: bool | None = None, foreach: bool | None = None
+                         ) -> AdamWImplementation:
+    """Which AdamW kernel runs for ``params``; training and the planner's step time both ask this.
+
+    Explicit settings are passed to torch unchanged: ``fused=True`` or ``foreach=True`` wins, and an
+    explicit ``False`` with the other unset leaves torch's per-tensor loop. With neither set: the fused
+    kernel when every parameter (a DTensor's local piece included) is a floating-point tensor on CUDA.
+    torch would pick foreach there, one kernel per arithmetic op; on one H100 (issue 23, Llama 3.1 8B
+    widths with 4 layers) fused AdamW took lit-titan from 35,882 to 42,112 tokens/s. Anywhere else:
+    torch's own default, foreach on its other accelerators and the per-tensor loop on CPU, so CPU
+    runs and their parity are unchanged. ``params`` may be anything with ``device`` and ``dtype`` (or
+    ``to_local()`` returning such), so the planner can ask without building tensors.
+    """
+    if fused:
+        return "fused"
+    if foreach:
+        return "foreach"
+    if fused is not None or foreach is not None:  # torch: an explicit False turns the other default off
+        return "for_loop"
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    if local and all(t.device.type == "cuda" and t.dtype.is_floating_point for t in local):
+        return "fused"
+    supported = _get_foreach_kernels_supported_devices()
+    return "foreach" if local and all(t.device.type in supported for t in local) else "for_loop"
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-        foreach=cfg.foreach, fused=cfg.fused,
-    )
+    groups = param_groups(model, cfg.weight_decay)
+    impl = adamw_implementation((p for g in groups for p in g["params"]), fused=cfg.fused, foreach=cfg.foreach)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             foreach=impl == "foreach", fused=impl == "fused")
+
+
+def keep_kernel_choice(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Make a checkpoint's optimizer state keep this process's AdamW kernel (call before loading it).
+
+    ``Optimizer.load_state_dict`` takes every saved group hyperparameter, ``fused``/``foreach``
+    included, and places the ``step`` counters by the saved ``fused`` flag: a checkpoint written by an
+    earlier version (foreach on GPU) would turn fused off, one written on a GPU would run fused AdamW
+    on CPU. The kernel belongs to where the parameters live now, so the current choice is kept.
+    """
+    for saved_group, group in zip(saved.get("param_groups", []), optimizer.param_groups):
+        for key in ("fused", "foreach"):
+            if key in group:
+                saved_group[key] = group[key]
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LRScheduler:

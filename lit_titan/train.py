@@ -66,6 +66,7 @@ def build_strategy(cfg: DictConfig):
     return TitanStrategy(timeout=timedelta(seconds=int(cfg.cluster.get("timeout_s", 1800))),
                          pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
                          reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload,
+                         grad_reduce_scatter=p.get("grad_reduce_scatter", "every_microbatch"),
                          loss_parallel=p.loss_parallel, pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
                          pp_stages_per_rank=p.get("pp_stages_per_rank"), pp_stages=p.get("pp_stages"),
                          tf32=bool(cfg.get("tf32", True)))

@@ -8,7 +8,7 @@ batch, never a stored number.
 import pytest
 import torch
 
-from helpers import TINY, assert_losses_match, final_params, losses, read_metrics, run_job
+from helpers import TINY, assert_losses_match, final_params, losses, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -72,20 +72,15 @@ def test_bf16_mixed_stays_close_to_fp32(reference, tmp_path, worlds):
     assert got != ref  # bf16 really ran (identical numbers would mean fp32 was used)
 
 
-def test_accumulation_reduce_scatters_once_per_step(tmp_path):
-    """Gradient accumulation must not reduce-scatter on non-final micro-batches."""
+@pytest.mark.parametrize("mode, per_step", [("every_microbatch", "accumulation"), ("last_microbatch", "once")])
+def test_accumulation_reduce_scatter_count(mode, per_step, tmp_path, worlds):
+    """dp2, accumulation 4: the default reduce-scatters every micro-batch (gradients stay sharded);
+    parallel.grad_reduce_scatter=last_microbatch reduce-scatters once per optimizer step."""
     import json
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).parent / "scripts" / "count_reduce_scatter.py"
-    counts = {}
-    for micro in (4, 1):  # accumulation 1 and 4 on dp2
-        out = tmp_path / f"micro{micro}.json"
-        proc = run_job([sys.executable, str(script), "2", str(micro), str(out)], timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        counts[micro] = json.loads(out.read_text())
-    assert counts[4]["steps"] == counts[1]["steps"] == 2
-    assert counts[4]["reduce_scatters"] > 0
-    # Four micro-batches per step, yet exactly as many reduce-scatters as with one.
-    assert counts[1]["reduce_scatters"] == counts[4]["reduce_scatters"], counts
+    out = tmp_path / "counts.json"
+    worlds.run(2, "scripts.count_reduce_scatter:main", ["2", "1", str(out), mode], timeout=300)
+    c = json.loads(out.read_text())
+    assert c["steps"] == 2 and c["accumulation"] == 4 and c["fsdp_groups"] == 4, c
+    per_group_and_step = c["accumulation"] if per_step == "accumulation" else 1
+    assert c["reduce_scatters"] == c["fsdp_groups"] * c["steps"] * per_group_and_step, c

@@ -178,6 +178,8 @@ def load_sharded(model: nn.Module, optimizers: list[torch.optim.Optimizer], ckpt
         set_optimizer_state_dict,
     )
 
+    from lit_titan.optim import keep_kernel_choice
+
     validate(ckpt)
     model_state = {"state_dict": get_model_state_dict(model)}
     dcp.load(model_state, storage_reader=SafeFileSystemReader(str(ckpt)))
@@ -186,6 +188,7 @@ def load_sharded(model: nn.Module, optimizers: list[torch.optim.Optimizer], ckpt
         key = f"optimizer_{idx}"
         optim_state = {key: get_optimizer_state_dict(model, optimizer)}
         dcp.load(optim_state, storage_reader=SafeFileSystemReader(str(ckpt)))
+        keep_kernel_choice(optim_state[key], optimizer)  # fused/foreach: this process's, not the saver's
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key])
     meta = torch.load(ckpt / META_FILE, weights_only=True, map_location="cpu")
     rng_path = rng_file(ckpt, rank)

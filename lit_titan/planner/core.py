@@ -105,11 +105,14 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> d
     pp_micro = pcfg.microbatches_for(dims.pp) if dims.pp > 1 else 1
     micro = max(local_batch // pp_micro, 1) if dims.pp > 1 else local_batch
     reshard = bool(p.reshard_after_forward)
+    accumulation = max(global_batch // (dims.dp * local_batch), 1)  # Lightning micro-batches per step
+    grad_reduce_scatter = str(p.get("grad_reduce_scatter", "every_microbatch"))
 
     # ---- memory of rank 0 (measured states + estimated activations and buffers) -----------------
     state_elem = 2 if precision == "bf16-true" else layout.local_param_bytes // max(layout.local_numel, 1)
     param_bytes = layout.local_numel * state_elem
-    grad_bytes = param_bytes  # FSDP2 keeps sharded grads in the (sharded) parameter's dtype
+    grad_bytes = estimate.gradient_bytes(layout, dims, precision, param_bytes, accumulation=accumulation,
+                                         grad_reduce_scatter=grad_reduce_scatter)
     optimizer_bytes = 2 * param_bytes  # AdamW: exp_avg and exp_avg_sq, same dtype as the parameter
     buffers = estimate.fsdp_buffer_bytes(layout, dims, precision, reshard)
 
@@ -137,7 +140,7 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> d
                                                          layout.pp_rank_has_output)):
             scale = numel / layout.pp_rank_numel[0]
             a = acts(layers, has_out)["total"]
-            states = int(4 * param_bytes * scale)
+            states = int((param_bytes + grad_bytes + optimizer_bytes) * scale)
             per_pp.append({"pp_rank": r, "params_unsharded": numel, "layers": layers, "has_output": has_out,
                            "state_bytes": states, "activation_bytes": a, "fsdp_buffer_bytes": int(buffers * scale),
                            "total_bytes": int(states + a + buffers * scale)})
@@ -148,28 +151,36 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> d
     else:
         plan["max_total_bytes"] = total0
 
-    hbm = cluster.get("hbm_gib")
+    hbm, plan["hbm_source"] = hbm_gib(cluster)
     plan["hbm_bytes"] = int(hbm * GIB) if hbm else None
     plan["reserve_bytes"] = int(HBM_RESERVE_GIB * GIB)
     if hbm:
         capacity = (hbm - HBM_RESERVE_GIB) * GIB
         if plan["max_total_bytes"] > capacity:
+            unsharded_hint = ("keep gradients sharded (parallel.grad_reduce_scatter=every_microbatch), "
+                              if grad_bytes > param_bytes else "")
             where = f"pp rank {plan.get('most_loaded_pp_rank', 0)}" if dims.pp > 1 else "rank 0"
             reasons.append(f"out of memory: {where} needs an estimated {plan['max_total_bytes'] / GIB:.1f} GiB "
                            f"(params {param_bytes / GIB:.1f} + grads {grad_bytes / GIB:.1f} + AdamW "
                            f"{optimizer_bytes / GIB:.1f} + activations {act0['total'] / GIB:.1f} + FSDP buffers "
-                           f"{buffers / GIB:.1f} on rank 0) > {hbm} GiB HBM - {HBM_RESERVE_GIB:g} GiB reserve; "
-                           f"shard more (parallel.tp/pp), checkpoint activations (mode=full) or lower "
-                           f"data.micro_batch_size")
-    else:
-        reasons.append(f"cluster profile has no hbm_gib (accelerator={cluster.get('accelerator')}); memory fit "
-                       f"cannot be judged; pick an H100 profile, e.g. cluster=h100_8")
+                           f"{buffers / GIB:.1f} on rank 0) > {hbm:g} GiB HBM - {HBM_RESERVE_GIB:g} GiB reserve; "
+                           f"{unsharded_hint}shard more (parallel.tp/pp), checkpoint activations (mode=full) or "
+                           f"lower data.micro_batch_size")
+    else:  # not a reason against the layout: the fit is unknown (fits: null), said so
+        on_gpu = cluster.get("accelerator") == "gpu"
+        plan["fit_unknown"] = ("the cluster profile has no hbm_gib" + (" and no CUDA GPU is visible here" if on_gpu else
+                                                                      f" (accelerator={cluster.get('accelerator')})")
+                               + "; add +cluster.hbm_gib=N (GiB per GPU), pick a profile such as cluster=h100_8"
+                               + (", or plan on the GPU machine" if on_gpu else ""))
 
     plan["perf"] = estimate.step_time(
         args, dims, cluster, layout, flops_per_token=plan["flops_per_token"], seq_len=seq_len,
         global_batch=global_batch, micro_batch=local_batch, pp_microbatches=pp_micro,
         stages_per_rank=stages_per_rank, ac_mode=layout.ac_mode, reshard_after_forward=reshard,
-        precision=precision)
+        precision=precision, grad_reduce_scatter=grad_reduce_scatter,
+        optimizer=_optimizer_implementation(cfg, cluster, layout))
+    plan["gradients"] = {"accumulation": accumulation, "grad_reduce_scatter": grad_reduce_scatter,
+                         "unsharded_between_micro_batches": grad_bytes > param_bytes}
     plan["transforms"] = {"activation_checkpointing": layout.ac_mode, "compile": layout.compiled,
                           "float8_linears": layout.float8_layers}
     plan["pipeline"] = ({"schedule": pcfg.schedule, "stages_per_rank": stages_per_rank, "microbatches": pp_micro,
@@ -179,15 +190,50 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> d
     plan["assumptions"] = {
         "compute_efficiency": estimate.COMPUTE_EFFICIENCY, "comm_efficiency": estimate.COMM_EFFICIENCY,
         "hbm_reserve_gib": HBM_RESERVE_GIB,
+        "hbm_efficiency": estimate.HBM_EFFICIENCY, "adamw_tensor_passes": estimate.ADAMW_TENSOR_PASSES,
         "bandwidth_units": "GB/s per GPU per direction (cluster.intra_node_gbps / inter_node_gbps)",
         "not_modelled": "Float8 speed-up and FP8 all-gather savings, compile's memory savings, async TP, "
-                        "pipeline p2p, optimizer step time",
+                        "pipeline p2p, the optimizer step on the CPU (cpu_offload)",
     }
     return _finish(plan, t0)
 
 
+def hbm_gib(cluster: dict[str, Any]) -> tuple[float | None, str | None]:
+    """Memory per GPU and where it came from: the profile's ``hbm_gib``, else this machine's GPU.
+
+    A GPU profile without the fact (``cluster=gpu_1``) describes the GPU the job runs on, so when
+    one is visible its memory is the answer; otherwise it is unknown (None).
+    """
+    if cluster.get("hbm_gib"):
+        return float(cluster["hbm_gib"]), "cluster.hbm_gib"
+    import torch
+
+    if cluster.get("accelerator") == "gpu" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory / GIB, f"torch.cuda.get_device_properties: {props.name}"
+    return None, None
+
+
+def _optimizer_implementation(cfg: DictConfig, cluster: dict[str, Any], layout) -> str:
+    """The AdamW kernel training will build (lit_titan.optim.adamw_implementation) for the profile's device."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lit_titan.optim import adamw_implementation
+
+    on_gpu = cluster.get("accelerator") == "gpu" and not cfg.parallel.get("cpu_offload", False)
+    param = SimpleNamespace(device=torch.device("cuda" if on_gpu else "cpu"), dtype=layout.param_dtype)
+    return adamw_implementation([param], fused=cfg.optim.get("fused"), foreach=cfg.optim.get("foreach"))
+
+
 def _finish(plan: dict[str, Any], t0: float) -> dict[str, Any]:
-    plan["fits"] = bool(not plan["reasons"] and plan["per_rank"]["total_bytes"] is not None)
+    """``fits``: False with any reason, None (unknown) without memory facts, else True."""
+    judged = plan["per_rank"]["total_bytes"] is not None
+    if plan["reasons"] or not judged:
+        plan["fits"] = False
+    else:
+        plan["fits"] = None if plan.get("fit_unknown") else True
     plan["plan_seconds"] = round(time.perf_counter() - t0, 3)
     return plan
 
@@ -211,16 +257,21 @@ def render_table(plan: dict[str, Any]) -> str:
                 "total_bytes"):
         lines.append(f"  {key:<18} {_gib(pr.get(key))}")
     if plan.get("hbm_bytes"):
-        lines.append(f"  {'hbm (reserve)':<18} {_gib(plan['hbm_bytes'])} ({_gib(plan['reserve_bytes']).strip()})")
+        lines.append(f"  {'hbm (reserve)':<18} {_gib(plan['hbm_bytes'])} ({_gib(plan['reserve_bytes']).strip()}; "
+                     f"from {plan['hbm_source']})")
     for row in plan.get("per_pp_rank", []):
         lines.append(f"  pp rank {row['pp_rank']}: {row['layers']} blocks{' +head' if row['has_output'] else ''}"
                      f"  total {_gib(row['total_bytes'])}")
     perf = plan.get("perf") or {}
     if perf.get("available"):
         lines.append(f"step: {perf['step_s']:.2f} s (compute {perf['compute_s']:.2f}, fsdp {perf['fsdp_comm_s']:.2f} "
-                     f"[{perf['fsdp_link']}], tp {perf['tp_comm_s']:.2f}, bubble {perf['pp_bubble_fraction']:.1%})  "
+                     f"[{perf['fsdp_link']}], tp {perf['tp_comm_s']:.2f}, bubble {perf['pp_bubble_fraction']:.1%}, "
+                     f"optimizer {perf['optimizer_s']:.3f} [{perf['optimizer']}])  "
                      f"tokens/s/device {perf['tokens_per_sec_per_device']:.0f}  MFU bound {perf['mfu_bound']:.1%}")
-    lines.append(f"fits: {plan['fits']}")
+    if plan["fits"] is None:
+        lines.append(f"fit unknown: {plan['fit_unknown']}")
+    else:
+        lines.append(f"fits: {plan['fits']}")
     for r in plan["reasons"]:
         lines.append(f"  - {r}")
     if plan.get("plan_path"):

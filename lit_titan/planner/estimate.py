@@ -37,6 +37,15 @@ GIB = 1024**3
 COMPUTE_EFFICIENCY = 0.6  # achievable fraction of dense BF16 peak for large matmuls
 COMM_EFFICIENCY = 0.8  # achievable fraction of link bandwidth for ring collectives
 HBM_RESERVE_GIB = 6.0  # CUDA context + NCCL buffers + allocator fragmentation, not available to tensors
+HBM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for a streaming elementwise kernel
+# AdamW step, tensor passes over HBM per parameter element (each of param, grad, exp_avg, exp_avg_sq
+# read or written counts one): the fused kernel reads the four and writes param and both moments (7);
+# torch's foreach AdamW (torch/optim/adam.py, _multi_tensor_adam, no capturable) runs a kernel per op:
+# param *= 1-lr*wd (2), exp_avg.lerp_(grad) (3), exp_avg_sq *= beta2 (2), addcmul_(grad, grad) (3),
+# sqrt (2), div_ (2), add_ eps (2), param.addcdiv_(exp_avg, denom) (4) = 20. At 1.92B fp32 parameters on
+# an H100 (3.35 TB/s x 0.8) that is 20 vs 57 ms: 37 ms apart; issue 23 measured 34 ms (lit-titan) and
+# 37 ms (bare loop) between the two kernels.
+ADAMW_TENSOR_PASSES = {"fused": 7, "foreach": 20, "for_loop": 20}
 
 
 def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str) -> float:
@@ -95,18 +104,39 @@ def fsdp_buffer_bytes(layout, dims, precision: str, reshard_after_forward: bool)
     return int(2 * layout.largest_unit_numel * gather + layout.largest_unit_numel * grad)
 
 
+def gradient_bytes(layout, dims, precision: str, sharded_bytes: int, *, accumulation: int,
+                   grad_reduce_scatter: str) -> int:
+    """Gradient storage per rank between micro-batches (parallel.grad_reduce_scatter).
+
+    FSDP2 keeps sharded gradients in the sharded parameter's dtype (``sharded_bytes``). With
+    ``last_microbatch`` and gradient accumulation, FSDP's sync is off until the last micro-batch and
+    every rank holds the *unsharded* gradients of its model (this rank's TP/PP part, all-gathered
+    over dp_shard*cp) in the reduce dtype instead; the sharded ones are built from them unit by unit.
+    Under PP torch's schedule reduces after every schedule step, so gradients stay sharded.
+    """
+    if (grad_reduce_scatter != "last_microbatch" or accumulation <= 1 or dims.pp > 1 or not layout.fsdp_applied):
+        return sharded_bytes
+    reduce_elem = 2 if precision == "bf16-true" else 4
+    return layout.local_numel * dims.fsdp_size * reduce_elem
+
+
 def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: int, global_batch: int,
               micro_batch: int, pp_microbatches: int, stages_per_rank: int, ac_mode: str,
-              reshard_after_forward: bool, precision: str) -> dict[str, Any]:
+              reshard_after_forward: bool, precision: str, grad_reduce_scatter: str = "every_microbatch",
+              optimizer: str = "fused") -> dict[str, Any]:
     """A deliberately simple bound: compute, exposed communication, pipeline bubble.
 
     compute   = model FLOPs of the rank's share of the step * recompute factor / (peak * efficiency)
-    fsdp_comm = (all-gathers + reduce-scatter) * (n-1)/n * unsharded bytes / bandwidth of the slowest
-                link the dp_shard*cp group spans; overlapped with compute (prefetch) -> max(compute, comm)
+    fsdp_comm = (all-gathers + reduce-scatters) * (n-1)/n * unsharded bytes / bandwidth of the slowest
+                link the dp_shard*cp group spans; overlapped with compute (prefetch) -> max(compute, comm);
+                reduce-scatters: one per micro-batch (every_microbatch, and always under PP), else one
+    optimizer = AdamW tensor passes (ADAMW_TENSOR_PASSES, by the kernel training picks) x the rank's
+                parameter bytes / HBM bandwidth (cluster.hbm_gbps); after the pipelined part
     tp_comm   = per block and micro-batch 4 collectives forward, 4 backward (+4 when recomputed), each
                 (t-1)/t * 2*s*b*h bytes over NVLink (or IB if the TP group spans nodes); exposed
     cp_comm   = K/V all-gather per block, forward + backward, exposed
-    bubble    = (p-1)/(m*v + p-1) of the pipelined time; step = (max(compute, fsdp) + tp + cp) / (1 - bubble)
+    bubble    = (p-1)/(m*v + p-1) of the pipelined time;
+    step      = (max(compute, fsdp) + tp + cp) / (1 - bubble) + optimizer
     """
     peak = float(cluster.get("peak_bf16_tflops") or 0) * 1e12
     intra = float(cluster.get("intra_node_gbps") or 0) * 1e9
@@ -129,12 +159,13 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
     accumulation = max(dp_local // micro_batch, 1)
     # FSDP: the dp_shard_cp group is strided by tp (tp innermost), so it spans fsdp*tp consecutive ranks
     n = dims.fsdp_size
+    reduce_scatters = 1 if grad_reduce_scatter == "last_microbatch" and dims.pp == 1 else accumulation
     fsdp_s = 0.0
     if layout.fsdp_applied and n > 1:
         gather_bytes = layout.local_numel * n * (4 if precision == "32-true" else 2)
         grad_bytes = layout.local_numel * n * (2 if precision == "bf16-true" else 4)
         gathers = accumulation * (1 if dims.pp > 1 or not reshard_after_forward else 2)
-        volume = (n - 1) / n * (gathers * gather_bytes + grad_bytes)
+        volume = (n - 1) / n * (gathers * gather_bytes + reduce_scatters * grad_bytes)
         fsdp_s = volume / bandwidth(n * dims.tp)
     # TP (+SP): 4 collectives per block forward (2 all-gather, 2 reduce-scatter), 4 backward
     tp_s = 0.0
@@ -151,11 +182,17 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
         m, p, v = pp_microbatches, dims.pp, stages_per_rank
         bubble = (p - 1) / (m * v + p - 1)
     busy = max(compute_s, fsdp_s) + tp_s + cp_s
-    step_s = busy / (1 - bubble)
+    # AdamW on this rank's shard: memory-bound. Not modelled on the host (cpu_offload: for_loop on CPU).
+    hbm_bw = float(cluster.get("hbm_gbps") or 0) * 1e9 * HBM_EFFICIENCY
+    state_bytes = layout.local_param_bytes if precision != "bf16-true" else layout.local_numel * 2
+    optimizer_s = (ADAMW_TENSOR_PASSES[optimizer] * state_bytes / hbm_bw
+                   if hbm_bw and optimizer != "for_loop" else 0.0)
+    step_s = busy / (1 - bubble) + optimizer_s
     mfu = rank_flops / (step_s * peak)
     return {"available": True, "step_s": step_s, "compute_s": compute_s, "fsdp_comm_s": fsdp_s, "tp_comm_s": tp_s,
             "cp_comm_s": cp_s, "pp_bubble_fraction": bubble, "recompute_factor": recompute,
             "tokens_per_step": tokens_step, "tokens_per_sec_per_device": tokens_step / step_s / dims.world_size,
-            "mfu_bound": mfu, "gradient_accumulation": accumulation,
+            "mfu_bound": mfu, "gradient_accumulation": accumulation, "fsdp_reduce_scatters": reduce_scatters,
+            "optimizer": optimizer, "optimizer_s": optimizer_s,
             "fsdp_link": "nvlink" if n * dims.tp <= per_node else "infiniband",
             "tp_link": "nvlink" if dims.tp <= per_node else "infiniband"}

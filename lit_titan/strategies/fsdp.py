@@ -1,11 +1,29 @@
-"""FSDP2 / HSDP application: one unit per block, then embeddings, norm+output, the root."""
+"""FSDP2 / HSDP application: one unit per block, then embeddings, norm+output, the root.
+
+Also what gradient accumulation does to FSDP's reductions (``GRAD_REDUCE_SCATTER``) and how much
+gradient storage a rank really holds (``gradient_storage_bytes``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+# When FSDP reduce-scatters gradients under gradient accumulation (parallel.grad_reduce_scatter):
+#   every_microbatch: after every micro-batch's backward, so each rank keeps only its gradient shard
+#     (1/dp_shard of the model) between micro-batches; under HSDP the replicate all-reduce still
+#     waits for the last micro-batch. One reduce-scatter per micro-batch.
+#   last_microbatch: only after the last one: one reduce-scatter per optimizer step, but between
+#     micro-batches every rank holds the *unsharded* gradients (reduce dtype) of its whole model.
+GRAD_REDUCE_SCATTER = ("every_microbatch", "last_microbatch")
+# torch's pipeline stage turns FSDP's gradient sync off for its own micro-batches and reduces at the
+# end of every schedule step (PipelineStage.perform_reduce_grad), overriding block_backward_sync.
+PP_LAST_MICROBATCH = ("parallel.grad_reduce_scatter=last_microbatch cannot apply under parallel.pp > 1: torch's "
+                      "pipeline schedule reduces the gradients at the end of every schedule step; use "
+                      "parallel.grad_reduce_scatter=every_microbatch")
 
 
 @dataclass(frozen=True)
@@ -54,3 +72,63 @@ def apply_fsdp(units: list[nn.Module | list[nn.Module]], root: nn.Module, mesh, 
         fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward and not last, mp_policy=policy(False),
                     **kwargs)
     fully_shard(root, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy(True), **kwargs)
+
+
+def fsdp_modules(roots: Iterable[nn.Module]) -> list[nn.Module]:
+    """Every ``FSDPModule`` under ``roots``, each once (pipeline stage views share modules)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return list({id(m): m for r in roots for m in r.modules() if isinstance(m, FSDPModule)}.values())
+
+
+def fsdp_param_groups(roots: Iterable[nn.Module]) -> list:
+    """FSDP2's parameter groups under ``roots``, each once (one per ``fully_shard`` call with parameters).
+
+    A unit sharded as a list of modules (norm + output) shares one state between its modules. These
+    are FSDP internals, read with ``getattr`` (torch 2.11-2.15: ``_fsdp_param_group`` or ``_fsdp_param_groups``).
+    """
+    groups: dict[int, object] = {}
+    for module in fsdp_modules(roots):
+        state = module._get_fsdp_state()
+        found = getattr(state, "_fsdp_param_groups", None)
+        if found is None:
+            found = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for group in found:
+            if group.fsdp_params:
+                groups.setdefault(id(group), group)
+    return list(groups.values())
+
+
+def gradient_storage_bytes(roots: Iterable[nn.Module]) -> int:
+    """Bytes of gradient storage this rank holds now, wherever FSDP2 keeps it.
+
+    Counts each distinct storage once: the parameters' ``.grad`` (a DTensor's local shard), the
+    unsharded gradients FSDP accumulates while its gradient sync is off (on its ``FSDPParam``s:
+    ``unsharded_accumulated_grad`` and the unsharded parameter's ``.grad``), and HSDP's buffer of
+    reduce-scattered gradients awaiting the all-reduce (``_partial_reduce_output``). The parameters'
+    ``.grad`` alone would not show the unsharded gradients that accumulation without sync keeps.
+    """
+    roots = list(roots)
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is None:
+            return
+        t = t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor: this rank's piece
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            return
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+
+    for root in roots:
+        for p in root.parameters():
+            add(p.grad)
+    for group in fsdp_param_groups(roots):
+        add(getattr(group, "_partial_reduce_output", None))
+        for fsdp_param in group.fsdp_params:
+            add(getattr(fsdp_param, "unsharded_accumulated_grad", None))
+            add(getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None))
+    return total
