@@ -2,8 +2,9 @@
 
 Protocol of one save (every rank calls :meth:`CheckpointWriter.save` at the same step):
 1. the previous save is waited for; if it failed on any rank, every rank raises (below);
-2. the ranks sum their state bytes; rank 0 checks the free space, prunes the oldest complete
-   checkpoint *before* writing (``disk.py``: peak ``keep_last`` checkpoints) and creates
+2. the ranks sum their state bytes; rank 0 checks the free space, counting the oldest complete
+   checkpoints that it will prune *before* writing (``disk.py``: peak ``keep_last`` checkpoints;
+   deleted by the writing thread before any rank writes a shard), and creates
    ``step-XXXXXX.partial/``; every rank learns rank 0's verdict;
 3. each rank writes its RNG state, rank 0 writes ``meta.pt`` (loop, scheduler, data-loader state);
 4. the state is copied once into CPU buffers allocated at the first save and reused
@@ -82,11 +83,17 @@ class SaveRecord:
 
 
 class _FileSystemWriter(FileSystemWriter):
-    """DCP's file writer, with hooks called in the writing thread just before this rank's shards are written."""
+    """DCP's file writer, with work done in the writing thread: ``prune`` (the checkpoints that
+    make room for this one) before this rank's local plan, so before every rank's write (DCP
+    gathers all local plans first); ``hooks`` just before this rank writes its shards."""
 
-    def __init__(self, path: Path, hooks: list[WriteHook]) -> None:
+    def __init__(self, path: Path, hooks: list[WriteHook], prune: list[Path]) -> None:
         super().__init__(str(path))
-        self._staging, self._hooks = path, list(hooks)
+        self._staging, self._hooks, self._prune = path, list(hooks), list(prune)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        disk.remove(self._prune)  # deleting GBs of files takes seconds on some filesystems: not in the training loop
+        return super().prepare_local_plan(plan)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         for hook in self._hooks:  # fault drills raise OSError(ENOSPC) here, as a full disk would
@@ -176,7 +183,7 @@ class CheckpointWriter:
         mine = local_bytes(state)
         total, count = (sum(x) for x in zip(*self._gather((mine, sum(1 for _ in local_tensors(state))))))
         need = disk.checkpoint_disk_bytes(total, count, world_size)
-        error = None
+        error, to_prune = None, []
         if rank == 0:
             try:
                 if final.exists():
@@ -184,7 +191,7 @@ class CheckpointWriter:
                 plan = disk.plan_save(final.parent, final.name, need, self.keep_last)
                 error = plan.error
                 if error is None:
-                    disk.remove(plan.prune)
+                    to_prune = [p for p in plan.prune if p != staging]  # deleted by the writing thread, first
                     shutil.rmtree(staging, ignore_errors=True)  # an earlier attempt's unpublished save
                     (staging / RNG_DIR).mkdir(parents=True)
             except (OSError, CheckpointError) as err:
@@ -202,7 +209,7 @@ class CheckpointWriter:
         prepared = time.perf_counter()
         import torch.distributed.checkpoint as dcp
 
-        writer = _FileSystemWriter(staging, self.on_write_data)
+        writer = _FileSystemWriter(staging, self.on_write_data, to_prune)
         group = self.process_group()
         record = SaveRecord(final.name, mine, total, 0, 0.0, 0.0, prepare_s=prepared - start)
         finished: Future = Future()
