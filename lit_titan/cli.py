@@ -20,8 +20,15 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
     try:
         main()
     except user_errors as err:
-        print(f"lit-titan: error: {err}", file=sys.stderr)
+        # An error every rank of the job raised together (e.g. a failed checkpoint save, agreed
+        # collectively) is printed once, by the launcher's rank 0.
+        if not (getattr(err, "raised_on_every_rank", False) and not _is_rank_zero()):
+            print(f"lit-titan: error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def _is_rank_zero() -> bool:
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -174,7 +174,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
                                            keep_last=int(c.keep_last), async_save=bool(c.async_save)))
     if cfg.fault.kill_rank is not None:
         all_callbacks.append(FaultInjection(kill_rank=int(cfg.fault.kill_rank), at_step=int(cfg.fault.at_step),
-                                            during_save=bool(cfg.fault.during_save)))
+                                            during_save=bool(cfg.fault.during_save),
+                                            save_error=cfg.fault.get("save_error")))
     t = cfg.trainer
     trainer = L.Trainer(
         accelerator=cfg.cluster.accelerator, devices=cfg.cluster.devices, num_nodes=cfg.cluster.num_nodes,

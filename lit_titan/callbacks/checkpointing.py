@@ -1,5 +1,8 @@
 """When to checkpoint: every N optimizer steps and at the end of training, keeping the newest K.
 
+Before the first step it checks that the run's checkpoints fit on disk (``keep_last`` of them at
+once; see ``lit_titan/checkpoint/disk.py``) and stops every rank with one line otherwise.
+
 How a checkpoint is written (sharded, asynchronous, atomically published) is the strategy's
 :class:`~lit_titan.checkpoint.CheckpointWriter`; this callback only decides *when* and configures it.
 Used instead of Lightning's ``ModelCheckpoint``, which deletes old checkpoints right after starting
@@ -9,6 +12,7 @@ override grammar cannot take back as ``resume=PATH``.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ import lightning as L
 
 from lit_titan.callbacks.watchdog import Watchdog
 from lit_titan.checkpoint import step_dir_name
+from lit_titan.checkpoint.disk import expected_state, planned_saves
 
 
 class Checkpointing(L.Callback):
@@ -43,6 +48,11 @@ class Checkpointing(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_saved = trainer.global_step  # a resumed run does not re-save the step it resumed from
+        strategy = trainer.strategy
+        strategy.checkpoint_writer.preflight(
+            self.dirpath, expected_state(strategy.model, trainer.optimizers), rank=trainer.global_rank,
+            world_size=trainer.world_size, every_n_steps=self.every_n_steps,
+            n_saves=planned_saves(trainer.global_step, trainer.max_steps, self.every_n_steps))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -59,7 +69,11 @@ class Checkpointing(L.Callback):
         trainer.strategy.checkpoint_writer.wait()
 
     def save(self, trainer: L.Trainer) -> None:
-        trainer.strategy.checkpoint_writer.wait()  # the previous save; can take a while on slow storage
+        writer = trainer.strategy.checkpoint_writer
+        writer.wait()  # the previous save; can take a while on slow storage (raises if it failed)
         Watchdog.heartbeat("checkpoint")  # waiting on our own save is progress, not a hang
+        start = time.perf_counter()
         trainer.save_checkpoint(self.dirpath / step_dir_name(trainer.global_step), weights_only=False)
+        if writer.records:  # what the training loop waited for: state dicts, staging, small files
+            writer.records[-1].blocked_s = time.perf_counter() - start
         self._last_saved = trainer.global_step

@@ -4,10 +4,14 @@ Fires in the first attempt only (``TORCHELASTIC_RESTART_COUNT``/``LIT_TITAN_ATTE
 job launched with ``torchrun --max-restarts=N`` dies once, restarts, resumes from the newest
 complete checkpoint and finishes. ``during_save`` kills the rank while the checkpoint of
 ``at_step`` is being written, i.e. after its shards started but before the save was published.
+``save_error`` (an errno name such as ``ENOSPC`` or ``EACCES``) instead makes rank ``kill_rank``'s
+checkpoint writer raise that ``OSError`` when it starts writing the shards of step ``at_step``, as a
+full disk or a permission change would (the other ranks write normally).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -20,8 +24,11 @@ from lit_titan.checkpoint.layout import staged_step
 
 
 class FaultInjection(L.Callback):
-    def __init__(self, kill_rank: int, at_step: int, during_save: bool = False) -> None:
+    def __init__(self, kill_rank: int, at_step: int, during_save: bool = False, save_error: str | None = None) -> None:
         self.kill_rank, self.at_step, self.during_save = kill_rank, at_step, during_save
+        self.save_error = save_error
+        if save_error is not None and not isinstance(getattr(errno, str(save_error), None), int):
+            raise ValueError(f"fault.save_error={save_error} is not an errno name (e.g. ENOSPC, EACCES)")
         # torchrun counts attempts in TORCHELASTIC_RESTART_COUNT, the Slurm script of
         # `lit-titan launch` in LIT_TITAN_ATTEMPT.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("LIT_TITAN_ATTEMPT") or "0"
@@ -30,17 +37,26 @@ class FaultInjection(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._rank = trainer.global_rank
-        if self.during_save:
+        if self.save_error is not None:
+            trainer.strategy.checkpoint_writer.on_write_data.append(self._io_error)
+        elif self.during_save:
             trainer.strategy.checkpoint_writer.on_write_started.append(self._on_save)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self.during_save and trainer.global_step == self.at_step:
+        if not self.during_save and self.save_error is None and trainer.global_step == self.at_step:
             self._kill(f"at step {self.at_step}")
 
     def _on_save(self, staging: Path) -> None:
         if staged_step(staging) == self.at_step:
             self._kill(f"while saving the checkpoint of step {self.at_step}")
+
+    def _io_error(self, staging: Path) -> None:
+        if self.armed and self._rank == self.kill_rank and staged_step(staging) == self.at_step:
+            code = getattr(errno, str(self.save_error))
+            print(f"lit-titan: fault injection: {self.save_error} in rank {self._rank}'s checkpoint writer",
+                  file=sys.stderr, flush=True)
+            raise OSError(code, os.strerror(code), str(staging))
 
     def _kill(self, when: str) -> None:
         if self.armed and self._rank == self.kill_rank:

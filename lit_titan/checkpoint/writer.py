@@ -1,18 +1,32 @@
 """Sharded checkpoint save (asynchronous by default) with atomic publish, and its load.
 
 Protocol of one save (every rank calls :meth:`CheckpointWriter.save` at the same step):
-1. rank 0 creates ``step-XXXXXX.partial/``; all ranks wait for it;
-2. each rank writes its RNG state, rank 0 writes ``meta.pt`` (loop, scheduler, data-loader state);
-3. DCP writes the model and optimizer shards, in a background thread when async: the state is
-   first copied to CPU memory (``BlockingAsyncStager``; DCP's default stager does not copy
-   tensors that already live on the CPU, so training would overwrite them mid-write), then training
-   continues while the copy is written;
-4. DCP's coordinator writes ``.metadata`` only after gathering every rank's write result, so when
+1. the previous save is waited for; if it failed on any rank, every rank raises (below);
+2. the ranks sum their state bytes; rank 0 checks the free space, counting the oldest complete
+   checkpoints that it will prune *before* writing (``disk.py``: peak ``keep_last`` checkpoints;
+   deleted by the writing thread before any rank writes a shard), and creates
+   ``step-XXXXXX.partial/``; every rank learns rank 0's verdict;
+3. each rank writes its RNG state, rank 0 writes ``meta.pt`` (loop, scheduler, data-loader state);
+4. the state is copied once into CPU buffers allocated at the first save and reused
+   (:class:`~lit_titan.checkpoint.staging.PinnedStager`; pinned, ``non_blocking`` on CUDA): that
+   copy is all the training loop waits for. DCP then writes the shards from a background thread
+   while training continues;
+5. DCP's coordinator writes ``.metadata`` only after gathering every rank's write result, so when
    rank 0's save finishes, every rank has finished: rank 0 then renames the directory to
    ``step-XXXXXX`` (an atomic rename) and prunes old checkpoints.
 A crash at any point leaves at most a ``.partial`` directory, which ``resume=auto`` ignores.
-The background save runs its collectives on its own gloo group, so they never interleave with
-training's collectives on the default group.
+
+Failures never hang the other ranks and never cost the previous checkpoint: every step that can
+fail on one rank (steps 2, 3 and the write itself, whose errors DCP already gathers to all ranks)
+ends in a collective agreement, after which every rank raises the same one-line
+:class:`~lit_titan.checkpoint.CheckpointError` (exit code 2 from the command line) and rank 0
+removes the unpublished ``.partial`` directory. A background write's failure is raised at the
+next save or at the end of training, whichever comes first.
+
+All checkpoint collectives run on the writer's own gloo group, created once on every rank: the
+background write never interleaves with training's collectives, and DCP's async save, which needs
+a CPU-capable group, works whatever the default backend is (NCCL on GPUs; no
+``cpu:gloo,cuda:nccl`` default group is needed).
 """
 
 from __future__ import annotations
@@ -21,26 +35,79 @@ import os
 import random
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
+from lit_titan.checkpoint import disk
 from lit_titan.checkpoint.layout import (
     META_FILE,
     RNG_DIR,
+    CheckpointError,
     SafeFileSystemReader,
     partial_path,
     prune,
+    published,
     rng_file,
     validate,
 )
+from lit_titan.checkpoint.staging import PinnedStager, local_bytes, local_tensors
 
 WriteHook = Callable[[Path], None]
+# DCP raises CheckpointException, a BaseException (not an Exception) subclass, for a failed write.
+_SAVE_ERRORS = (Exception, CheckpointException)
+
+
+@dataclass
+class SaveRecord:
+    """Timings of one save on this rank (benchmarks/checkpoint_stall.py prints them)."""
+
+    name: str
+    local_bytes: int  # this rank's tensor bytes
+    total_bytes: int  # all ranks' tensor bytes
+    allocated_bytes: int  # staging buffers allocated by this save (the first one allocates them all)
+    stage_s: float  # the copy into the staging buffers
+    save_s: float  # time in CheckpointWriter.save: what the training loop waits for, once the previous save is done
+    prepare_s: float = 0.0  # of save_s: sizes, free-space check and pruning, RNG and meta files, agreements
+    blocked_s: float | None = None  # the whole trainer.save_checkpoint (set by the Checkpointing callback)
+    complete_s: float | None = None  # from the start of save() until written (rank 0: and published)
+
+
+class _FileSystemWriter(FileSystemWriter):
+    """DCP's file writer, with work done in the writing thread: ``prune`` (the checkpoints that
+    make room for this one) before this rank's local plan, so before every rank's write (DCP
+    gathers all local plans first); ``hooks`` just before this rank writes its shards."""
+
+    def __init__(self, path: Path, hooks: list[WriteHook], prune: list[Path]) -> None:
+        super().__init__(str(path))
+        self._staging, self._hooks, self._prune = path, list(hooks), list(prune)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        disk.remove(self._prune)  # deleting GBs of files takes seconds on some filesystems: not in the training loop
+        return super().prepare_local_plan(plan)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        for hook in self._hooks:  # fault drills raise OSError(ENOSPC) here, as a full disk would
+            hook(self._staging)
+        return super().write_data(plan, planner)
+
+
+@dataclass
+class _Pending:
+    finished: Future  # done when written (rank 0: and published); its exception is the save's failure
+    staging: Path
+    final: Path
+    need: int  # bytes on disk this checkpoint needs (for the error message)
+    record: SaveRecord
 
 
 class CheckpointWriter:
@@ -52,70 +119,192 @@ class CheckpointWriter:
         # Called on every rank with the staging directory once its shards are being written
         # (fault drills kill a rank here; see lit_titan.callbacks.FaultInjection).
         self.on_write_started: list[WriteHook] = []
+        # Called in the writing thread of every rank just before it writes its shards (I/O-error drills).
+        self.on_write_data: list[WriteHook] = []
+        self.records: list[SaveRecord] = []
         self._group: dist.ProcessGroup | None = None
-        self._pending: Future | None = None
+        self._stager = PinnedStager()
+        self._pending: _Pending | None = None
 
+    # ---- collectives (all on the writer's gloo group) ---------------------------------------
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The gloo group of every checkpoint collective; the first call is collective (every rank)."""
+        if self._group is None and dist.is_available() and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _gather(self, value: Any) -> list[Any]:
+        group = self.process_group()
+        if group is None or dist.get_world_size(group) == 1:
+            return [value]
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, value, group=group)
+        return out
+
+    def _agree(self, error: str | None, *, rank: int, cleanup: Path | None = None) -> None:
+        """Collective: if any rank has an error, every rank raises the first one (rank 0 removes ``cleanup``)."""
+        failed = [e for e in self._gather(error) if e]
+        if failed:
+            if rank == 0 and cleanup is not None:
+                shutil.rmtree(cleanup, ignore_errors=True)
+            error = CheckpointError(failed[0])
+            error.raised_on_every_rank = True  # the command line prints it once (rank 0)
+            raise error
+
+    # ---- preflight ------------------------------------------------------------------------------
+    def preflight(self, directory: Path, state: tuple[int, int], *, rank: int, world_size: int, every_n_steps: int,
+                  n_saves: int | None) -> None:
+        """Collective, before training: stop on every rank if this run's checkpoints cannot fit on disk.
+
+        ``state``: this rank's (tensor bytes, tensor count) per checkpoint (``disk.expected_state``).
+        """
+        total, count = (sum(x) for x in zip(*self._gather(tuple(state))))
+        error = None
+        if rank == 0:
+            try:
+                error = disk.preflight_error(directory, disk.checkpoint_disk_bytes(total, count, world_size), total,
+                                             world_size, self.keep_last, every_n_steps, n_saves)
+            except OSError as err:
+                error = f"cannot check free space for checkpoints in {directory}: {_one_line(err)}; set run_dir"
+        self._agree(error, rank=rank)
+
+    # ---- save -----------------------------------------------------------------------------------
     def save(self, state: dict[str, Any], meta: dict[str, Any], final: Path, *, rank: int, world_size: int,
-             barrier: Callable[[], None]) -> None:
-        """Start saving ``state`` (DTensor state dicts) and ``meta`` as checkpoint ``final``."""
+             barrier: Callable[[], None] | None = None) -> None:
+        """Start saving ``state`` (DTensor state dicts) and ``meta`` as checkpoint ``final``.
+
+        Returns once the state is staged (async) or written (sync); raises :class:`CheckpointError`
+        on every rank when the previous save failed or this one cannot be started.
+        ``barrier`` is unused (kept for callers of the earlier signature): the agreements below synchronise.
+        """
         self.wait()
+        start = time.perf_counter()
         staging = partial_path(final)
+        mine = local_bytes(state)
+        total, count = (sum(x) for x in zip(*self._gather((mine, sum(1 for _ in local_tensors(state))))))
+        need = disk.checkpoint_disk_bytes(total, count, world_size)
+        error, to_prune = None, []
         if rank == 0:
-            if final.exists():
-                raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
-            shutil.rmtree(staging, ignore_errors=True)  # an earlier attempt's unpublished save
-            (staging / RNG_DIR).mkdir(parents=True)
-        barrier()
-        torch.save({**capture_rng(), "world_size": world_size}, rng_file(staging, rank))
-        if rank == 0:
-            torch.save(meta, staging / META_FILE)
+            try:
+                if final.exists():
+                    raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
+                plan = disk.plan_save(final.parent, final.name, need, self.keep_last)
+                error = plan.error
+                if error is None:
+                    to_prune = [p for p in plan.prune if p != staging]  # deleted by the writing thread, first
+                    shutil.rmtree(staging, ignore_errors=True)  # an earlier attempt's unpublished save
+                    (staging / RNG_DIR).mkdir(parents=True)
+            except (OSError, CheckpointError) as err:
+                error = self._failure(err, final, need, "could not be started")
+        self._agree(error, rank=rank, cleanup=staging)
+        error = None
+        try:
+            torch.save({**capture_rng(), "world_size": world_size}, rng_file(staging, rank))
+            if rank == 0:
+                torch.save(meta, staging / META_FILE)
+        except Exception as err:  # OSError, or torch.save's RuntimeError on a full disk
+            error = self._failure(err, final, need, "could not be written", rank=rank)
+        self._agree(error, rank=rank, cleanup=staging)
+
+        prepared = time.perf_counter()
         import torch.distributed.checkpoint as dcp
 
-        if self.async_save and dist.is_initialized():
-            from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
-            if self._group is None:  # collective: every rank reaches here at the same save
-                self._group = dist.new_group(backend="gloo")
-            future = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group,
-                                    async_stager=BlockingAsyncStager())
-            future = getattr(future, "upload_completion", future)  # AsyncSaveResponse on newer torch
-            self._run_hooks(staging)
-            if rank == 0:
-                future.add_done_callback(lambda f: self._publish(f, staging, final))
-            self._pending = future
+        writer = _FileSystemWriter(staging, self.on_write_data, to_prune)
+        group = self.process_group()
+        record = SaveRecord(final.name, mine, total, 0, 0.0, 0.0, prepare_s=prepared - start)
+        finished: Future = Future()
+        if self.async_save and group is not None:
+            upload = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=self._stager)
+            upload = getattr(upload, "upload_completion", upload)  # AsyncSaveResponse on newer torch
+            record.stage_s, record.allocated_bytes = self._stager.last_stage_s, self._stager.allocated_bytes
         else:
-            dcp.save(state, checkpoint_id=str(staging))
-            self._run_hooks(staging)
-            if rank == 0:
-                done: Future = Future()
-                done.set_result(None)
-                self._publish(done, staging, final)
+            upload = Future()
+            try:
+                upload.set_result(dcp.save(state, storage_writer=writer, process_group=group))
+            except _SAVE_ERRORS as err:
+                upload.set_exception(err)
+        upload.add_done_callback(lambda f: self._finish(f, finished, staging, final, rank, record, start))
+        self._pending = _Pending(finished, staging, final, need, record)
+        self.records.append(record)
+        record.save_s = time.perf_counter() - start
+        self._run_hooks(staging)
+        if not (self.async_save and group is not None):
+            self.wait()
 
-    def wait(self) -> None:
-        """Block until the in-flight save (if any) is written; a failed save is reported, not raised."""
+    def wait(self, *, agree: bool = True) -> None:
+        """Block until the in-flight save (if any) is written and published.
+
+        ``agree`` (collective, every rank): a failure on any rank raises :class:`CheckpointError`
+        on every rank. Without it (teardown after another error) a failure is only reported.
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        error = None
         try:
-            pending.result()
-        except Exception as err:  # training goes on; the save stays unpublished
-            print(f"lit-titan: checkpoint save failed: {type(err).__name__}: {err}", file=sys.stderr)
+            pending.finished.result()
+        except _SAVE_ERRORS as err:
+            error = self._failure(err, pending.final, pending.need, "could not be written")
+        if agree:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            self._agree(error, rank=rank, cleanup=pending.staging)
+        elif error:
+            print(f"lit-titan: {error}", file=sys.stderr)
+
+    def _finish(self, upload: Future, finished: Future, staging: Path, final: Path, rank: int,
+                record: SaveRecord, start: float) -> None:
+        """Runs when this rank's write is done (in the writing thread): rank 0 publishes."""
+        try:
+            upload.result()
+            if rank == 0:
+                self._publish(staging, final)
+            record.complete_s = time.perf_counter() - start
+            finished.set_result(None)
+        except BaseException as err:  # noqa: BLE001 - handed to wait(), which raises on every rank
+            finished.set_exception(err)
+
+    def _failure(self, err: BaseException, final: Path, need: int, what: str, rank: int | None = None) -> str:
+        """One line: what failed, why, the disk state, the checkpoint kept and the settings to change."""
+        failed_rank, cause = _root_cause(err)
+        who = failed_rank if failed_rank is not None else rank
+        where = f" on rank {who}" if who is not None else ""
+        try:
+            free = f"{disk.fmt(disk.free_bytes(final.parent))} free in {final.parent}"
+        except OSError:
+            free = f"free space in {final.parent} unknown"
+        previous = published(final.parent)
+        kept = f"the previous complete checkpoint {previous[-1].name} is kept" if previous else "no earlier checkpoint"
+        return (f"checkpoint {final.name} {what}{where} ({_one_line(cause)}); it needs {disk.fmt(need)}, {free}; "
+                f"{kept}; {disk.SETTINGS_HINT}")
 
     def _run_hooks(self, staging: Path) -> None:
         for hook in self.on_write_started:
             hook(staging)
 
-    def _publish(self, future: Future, staging: Path, final: Path) -> None:
-        if future.exception() is not None:
-            return  # unpublished: resume=auto never sees it
+    def _publish(self, staging: Path, final: Path) -> None:
         try:
             validate(staging, staged=True)
-            staging.rename(final)
-        except Exception as err:
-            print(f"lit-titan: could not publish checkpoint {final}: {err}", file=sys.stderr)
-            return
+        except CheckpointError as err:
+            raise CheckpointError(f"the written checkpoint failed validation: {err}") from None
+        staging.rename(final)
         _fsync_dir(final.parent)
         prune(final.parent, self.keep_last)
+
+
+def _root_cause(err: BaseException) -> tuple[int | None, BaseException]:
+    """The original exception inside DCP's ``CheckpointException`` (which lists every rank's traceback)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(cause, BaseException):
+            return rank, cause
+    return None, err
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _fsync_dir(path: Path) -> None:

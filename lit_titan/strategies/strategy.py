@@ -334,7 +334,7 @@ class TitanStrategy(ModelParallelStrategy):
             fn(model, plan, self)
 
     def teardown(self) -> None:
-        self.checkpoint_writer.wait()  # a save in flight needs the process group
+        self.checkpoint_writer.wait(agree=False)  # a save in flight needs the process group
         super().teardown()
         self._restore_matmul_precision()  # an in-process fit leaves torch as it found it
         # An in-process fit (notebook, Python API) must not leave its process group behind: the
@@ -455,6 +455,30 @@ class TitanStrategy(ModelParallelStrategy):
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         self.checkpoint_writer.save(state, checkpoint, path, rank=self.global_rank, world_size=self.world_size,
                                     barrier=self.barrier)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The live sharded model state, not Lightning's CPU copy (``cpu_offload=True``).
+
+        The checkpoint writer copies it once, into reused pinned buffers; a CPU copy here would be
+        a second, unpinned and synchronous one (16 s of a 23 GB save on one H100, issue 23).
+        """
+        if not self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False, cpu_offload=False))
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The live sharded optimizer state (see :meth:`lightning_module_state_dict`)."""
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        assert self.model is not None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        return get_optimizer_state_dict(self.model, optimizer,
+                                        options=StateDictOptions(full_state_dict=False, cpu_offload=False))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Validate, then load shards into the parallelised model under any layout (DCP reshards)."""
