@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lit_titan.log_cadence import is_logging_step
+
 __all__ = ["NonFiniteError", "NonFiniteGuard"]
 
 
@@ -171,7 +173,9 @@ class NonFiniteGuard(L.Callback):
         return loss_bad, grad_bad
 
     def _log(self, pl_module: L.LightningModule) -> None:
-        if self.action == "skip":  # a dense column: 0, 0, 1, 1, ... (cumulative)
+        # a dense column: 0, 0, 1, 1, ... (cumulative), in every row (logging steps only: logging a
+        # Python number copies it to the device, a host sync on GPU)
+        if self.action == "skip" and is_logging_step(pl_module.trainer, pl_module.trainer.global_step + 1):
             pl_module.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
 
 

@@ -39,6 +39,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from lit_titan.log_cadence import forget_logged
+
 __all__ = ["StragglerReport", "straggler_stats"]
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class StragglerReport(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self._logged:
-            _forget_logged(trainer, "straggler/")
+            forget_logged(trainer, "straggler/")
             self._logged = False
         self._t_batch_start, self._t_forward = time.perf_counter(), None
 
@@ -175,18 +177,3 @@ class StragglerReport(L.Callback):
                 f"{stats['median_step_s']:.3f} s ({stats['ratio_to_median']:.2f}x > warn_ratio {self.warn_ratio:g}); "
                 f"it spends {outside_s[slowest]:.3f} s/step outside the model (data loading, host work) vs "
                 f"{statistics.median(outside_s):.3f} s median")
-
-
-def _forget_logged(trainer: L.Trainer, prefix: str) -> None:
-    """Drop metrics logged on an earlier step, so they are not written again in every later row.
-
-    Lightning keeps an on-step value until the epoch ends and writes it on every logging step; a
-    report made every N steps would then look like a fresh measurement in each row. Uses Lightning's
-    result collection (internal): if its shape changes, values repeat, nothing breaks.
-    """
-    try:
-        for item in (trainer._results or {}).values():
-            if getattr(item.meta, "name", "").startswith(prefix):
-                item.reset()
-    except Exception:  # pragma: no cover - a Lightning internals change: repeated values only
-        pass
