@@ -114,3 +114,49 @@ def test_two_gloo_processes_issue_no_logging_collective_between_logging_steps(tm
         ref_norm = float(reference[step]["train/grad_norm"])
         assert abs(float(row["train/grad_norm"]) - ref_norm) <= 1e-3 * ref_norm, (step, row["train/grad_norm"])
         assert float(row["train/tokens_seen"]) == float(reference[step]["train/tokens_seen"])
+
+
+# ---- issue 17 item 7: data loading off the critical path on GPU profiles ---------------------------
+@pytest.mark.parametrize("profile", ["gpu_1", "h100_8", "h100_64", "h100_128", "h100_256", "h100_512"])
+def test_gpu_profiles_log_every_10_steps_and_load_in_a_worker(profile):
+    from lit_titan.config import compose
+
+    cfg = compose([f"cluster={profile}"])
+    assert cfg.trainer.log_every_n_steps >= 10
+    assert cfg.data.num_workers == 1  # off the training loop, and the order of 0 workers (below)
+    assert cfg.data.pin_memory is None  # -> pinned when the trainer's device is CUDA (below)
+    cpu = compose(["cluster=cpu"])
+    assert (cpu.trainer.log_every_n_steps, cpu.data.num_workers) == (1, 0)
+
+
+def test_one_loader_worker_streams_the_same_batches_and_cuda_pins(tmp_path):
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from lit_titan.data import PretrainDataModule
+
+    dm = PretrainDataModule(seq_len=32, global_batch_size=8, max_bytes=300_000, data_dir=os.environ["LIT_TITAN_CACHE"],
+                            tokenizer={"kind": "bpe", "vocab_size": 512}, model_vocab_size=512, dp_rank=1, dp_size=2)
+    dm.prepare_data()
+    dm.setup("fit")
+    streams = {}
+    for workers in (0, 1, 2):
+        dm.num_workers = workers
+        batches = []
+        for i, batch in enumerate(dm.train_dataloader()):
+            batches.append(batch)
+            if i == 24:
+                break
+        streams[workers] = torch.cat(batches)
+    assert torch.equal(streams[0], streams[1])
+    assert not torch.equal(streams[0], streams[2])  # why GPU profiles use exactly one worker
+
+    assert dm._pin_memory() is torch.cuda.is_available()  # no trainer: as before
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    assert dm._pin_memory() is True
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    assert dm._pin_memory() is False
+    dm.pin_memory = True
+    assert dm._pin_memory() is True

@@ -12,7 +12,9 @@ checks each optimizer step *before* the update and either
 The decision is identical on every rank: each rank checks its loss and its local gradient shards,
 then one all-reduce of two flags over the world group combines them (a NaN in one rank's shard is
 a NaN in the global gradient norm). Cost per optimizer step: a foreach norm of the local
-gradients, that all-reduce, and one device-to-host copy of the two flags.
+gradients, that all-reduce, and one device-to-host copy of the two flags: the guard decides before
+the update, so unlike logging it cannot wait for a logging step (it is the one host sync it adds to
+steps that do not log; ``train/skipped_steps`` is logged on logging steps only).
 
 Hook order: Lightning runs ``optimizer.step(closure)``; the closure runs forward/backward, then the
 callbacks' ``on_before_optimizer_step``, then the module's (``PretrainModule`` computes the global

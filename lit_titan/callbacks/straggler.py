@@ -18,7 +18,8 @@ What it cannot see: slowness *inside* forward/backward (a slow GPU or link) is a
 collective of the step and spreads over all ranks alike; finding it needs per-collective timings
 (e.g. NCCL's flight recorder), not step-level hooks.
 
-Every ``every_n_steps`` optimizer steps, all ranks all-gather (world group, strategy device: CUDA
+Every ``every_n_steps`` optimizer steps (at the first logging step from there, see
+``trainer.log_every_n_steps``: the gather reads its result back to the host), all ranks all-gather (world group, strategy device: CUDA
 for NCCL, CPU for gloo) three numbers over the window -- mean ``step_s``, mean ``outside_s``,
 number of steps -- and log, from every rank alike (the gathered values are identical):
 ``straggler/slowest_rank``, ``straggler/slowest_step_s``, ``straggler/median_step_s``,
@@ -39,7 +40,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from lit_titan.log_cadence import forget_logged
+from lit_titan.log_cadence import forget_logged, is_logging_step
 
 __all__ = ["StragglerReport", "straggler_stats"]
 
@@ -80,6 +81,7 @@ class StragglerReport(L.Callback):
         self._t_prev_step: float | None = None  # end of the previous optimizer step
         self._t_batch_start: float | None = None
         self._t_forward: float | None = None  # this batch entered the module's forward
+        self._due = False  # every_n_steps reached; report at the next logging step
         self._reset_window()
 
     # ---- Lightning hooks ------------------------------------------------------------------------
@@ -95,6 +97,7 @@ class StragglerReport(L.Callback):
             self._hook = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._due = False
         self._reset_window()
         self._restart_clock(None)
         self._prev_global_step = trainer.global_step
@@ -123,6 +126,11 @@ class StragglerReport(L.Callback):
         self._outside, self._discard = 0.0, False
         self._t_prev_step = now
         if trainer.global_step % self.every_n_steps == 0:
+            self._due = True
+        # On the first logging step from there: a gather is a host sync (and only a logging step
+        # writes the values). Both depend on global_step alone, so every rank gathers together.
+        if self._due and is_logging_step(trainer, trainer.global_step):
+            self._due = False
             self._report(trainer, pl_module)
             self._restart_clock(time.perf_counter())  # the gather is not part of any step
 
