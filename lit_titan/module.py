@@ -120,7 +120,9 @@ class PretrainModule(L.LightningModule):
 
     def record_train_loss(self, loss: Tensor, inputs: Tensor) -> None:
         """Accumulate a micro-batch's loss; logged once per optimizer step."""
-        self._step_loss = self._step_loss.to(loss.device) + _plain(loss.detach()).float()
+        # Starts from the first micro-batch's loss, on its device: no host-made zero to copy over.
+        loss = _plain(loss.detach()).float()
+        self._step_loss = loss if self._micro_batches == 0 else self._step_loss + loss
         self._micro_batches += 1
         self._tokens_per_step_accumulate(inputs)
 
@@ -152,8 +154,7 @@ class PretrainModule(L.LightningModule):
             self.log("train/grad_norm", self._last_grad_norm, on_step=True, on_epoch=False)
             self.log("train/tokens_seen", float((self.global_step + 1) * self._tokens_per_step),
                      on_step=True, on_epoch=False)
-        self._step_loss = torch.zeros((), device=self._step_loss.device)
-        self._micro_batches = 0
+        self._micro_batches = 0  # the next record_train_loss starts a new sum
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         # Lightning zeroes gradients between training_step and backward; under pipeline

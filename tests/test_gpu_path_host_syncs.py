@@ -116,6 +116,24 @@ def test_two_gloo_processes_issue_no_logging_collective_between_logging_steps(tm
         assert float(row["train/tokens_seen"]) == float(reference[step]["train/tokens_seen"])
 
 
+@pytest.mark.slow
+def test_pipeline_sums_the_last_stage_loss_only_on_logging_steps(tmp_path, every_step):
+    """pp2: the loss lives on the last stage; its all-reduce over the pp group waits for a logging step."""
+    run_dir = tmp_path / "pp2"
+    run_dir.mkdir()
+    cmd = [sys.executable, str(SCRIPT), str(run_dir), *RUN, "cluster.devices=2", "parallel.pp=2",
+           "data.micro_batch_size=4", f"trainer.log_every_n_steps={EVERY}", f"run_dir={run_dir}"]
+    proc = run_job(cmd, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        _check_counts(json.loads((run_dir / f"counts-rank{rank}.json").read_text()), f"pp rank {rank}")
+    rows, reference = _logging_rows(read_metrics(run_dir)), _logging_rows(every_step)
+    assert sorted(rows) == [EVERY - 1, 2 * EVERY - 1]
+    for step, row in rows.items():  # rank 0 (first stage) writes the row: the summed loss reached it
+        ref = float(reference[step]["train/loss"])
+        assert abs(float(row["train/loss"]) - ref) <= 1e-5 * abs(ref), (step, row["train/loss"], ref)
+
+
 # ---- issue 17 item 7: data loading off the critical path on GPU profiles ---------------------------
 @pytest.mark.parametrize("profile", ["gpu_1", "h100_8", "h100_64", "h100_128", "h100_256", "h100_512"])
 def test_gpu_profiles_log_every_10_steps_and_load_in_a_worker(profile):
