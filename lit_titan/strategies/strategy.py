@@ -131,7 +131,7 @@ class TitanStrategy(ModelParallelStrategy):
     def pp_group(self) -> torch.distributed.ProcessGroup | None:
         if self.parallel_dims is None or self.parallel_dims.pp == 1:
             return None
-        return self.device_mesh["pp"].get_group()
+        return self._pp_group
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -211,6 +211,8 @@ class TitanStrategy(ModelParallelStrategy):
         """
         self.parallel_dims = dims
         self._device_mesh, self.mesh_views = dims.build_mesh(device_type)
+        # Read every step (grad norm): slicing the mesh each time is host work (.tolist() of its ranks).
+        self._pp_group = self._device_mesh["pp"].get_group() if dims.pp > 1 else None
         if dims.cp > 1:
             self.context_parallel = ContextParallel(self._device_mesh["cp"].get_group())
 

@@ -5,7 +5,8 @@ Counting wrappers call through to the real functions (nothing is mocked):
   (on a GPU each is a device-to-host wait), except those from ``HOST_SIDE`` code, whose tensors
   live on the CPU whatever the accelerator;
 - collectives: every ``torch.distributed`` collective, except those issued from the model's own
-  parallelism (FSDP, DTensor/TP, pipelining, the grad-norm reduction that clipping needs);
+  parallelism (FSDP, DTensor/TP, pipelining, the grad-norm reduction that clipping needs; the same
+  files' host reads are theirs too);
 - ``LightningModule.log`` calls: each logs a value, and a Python number becomes a blocking
   host-to-device copy on a GPU.
 Each event is charged to the optimizer step (1-based) whose batch Lightning's training loop is running.
@@ -33,8 +34,9 @@ HOST_READS = ("item", "cpu", "tolist", "numpy")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
                "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather",
                "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
-               "send", "recv", "isend", "irecv", "batch_isend_irecv")
-# Collectives called directly from these files belong to the model's parallel execution, not to bookkeeping.
+               "batch_isend_irecv")  # not isend/irecv: torch checks P2POp's op by identity (pipelining only)
+# Collectives and host reads called directly from these files belong to the model's parallel execution,
+# not to bookkeeping.
 MODEL_OWN = ("torch/distributed/fsdp/", "torch/distributed/tensor/", "torch/distributed/pipelining/",
              "torch/distributed/_composable/", "lit_titan/strategies/grad_norm.py",
              "lit_titan/strategies/context_parallel.py")
@@ -42,6 +44,7 @@ MODEL_OWN = ("torch/distributed/fsdp/", "torch/distributed/tensor/", "torch/dist
 # counters on the CPU (unless capturable or fused, which read none), the DataLoader draws its seed
 # from a CPU generator. Reads from anywhere else would wait for the GPU.
 HOST_SIDE = ("torch/optim/", "torch/utils/data/")
+C10D = ("torch/distributed/distributed_c10d.py", "torch/distributed/c10d_logger.py")
 _SELF = os.path.abspath(__file__)
 
 
@@ -64,13 +67,17 @@ class SyncCounter(L.Callback):
     def _count(self, kind: str, what: str) -> None:
         stack = traceback.extract_stack()[:-2]
         direct = stack[-1].filename.replace(os.sep, "/")  # the code that called the counted function
-        if kind == "collectives" and any(own in direct for own in MODEL_OWN):
-            return
+        # ... or, inside torch.distributed's own helpers (e.g. recv_object_list), the code that called them
+        owner = next((f.filename.replace(os.sep, "/") for f in reversed(stack)
+                      if not f.filename.replace(os.sep, "/").endswith(C10D)), direct)
+        if kind != "logs" and any(own in owner for own in MODEL_OWN):
+            return  # e.g. torch's pipeline stages exchange their shapes on the first step
         if kind == "host_reads" and any(ok in direct for ok in HOST_SIDE):
             return
         self.counts[self.step][kind] += 1
         if self.step:
-            self.callers[self.step][f"{kind}: {what} from {_caller(stack)}"] += 1
+            via = "/".join(Path(direct).parts[-2:])
+            self.callers[self.step][f"{kind}: {what} from {_caller(stack)} (called in {via}:{stack[-1].lineno})"] += 1
 
     def _wrap(self, owner: Any, name: str, kind: str) -> None:
         original = getattr(owner, name)
