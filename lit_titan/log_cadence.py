@@ -29,7 +29,7 @@ __all__ = ["amortise_sigterm_check", "forget_logged", "is_logging_step", "log_ev
 
 
 def log_every(trainer: L.Trainer) -> int:
-    """``trainer.log_every_n_steps``; 0 (never log) counts as 0."""
+    """``trainer.log_every_n_steps`` (0: never log)."""
     return int(getattr(trainer, "log_every_n_steps", 1) or 0)
 
 
