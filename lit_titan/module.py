@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_titan.log_cadence import forget_logged, is_logging_step
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.optim import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_norm
@@ -119,27 +120,41 @@ class PretrainModule(L.LightningModule):
 
     def record_train_loss(self, loss: Tensor, inputs: Tensor) -> None:
         """Accumulate a micro-batch's loss; logged once per optimizer step."""
-        self._step_loss = self._step_loss.to(loss.device) + _plain(loss.detach()).float()
+        # Starts from the first micro-batch's loss, on its device: no host-made zero to copy over.
+        loss = _plain(loss.detach()).float()
+        self._step_loss = loss if self._micro_batches == 0 else self._step_loss + loss
         self._micro_batches += 1
         self._tokens_per_step_accumulate(inputs)
 
     def record_val_loss(self, loss: Tensor) -> None:
         self.log("val/loss", _plain(loss.detach()), sync_dist=True, prog_bar=True)
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The previous logging step's row is written: drop its values, or Lightning would read the
+        # progress-bar loss back to the host (.item()) after every later batch. Subclasses that
+        # override this hook call super().
+        forget_logged(self.trainer, "train/")
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Log once per optimizer step (not per micro-batch): the step's mean loss, lr, grad norm."""
+        """Log once per logging step (``trainer.log_every_n_steps``): the step's mean loss, lr, grad norm.
+
+        The global grad norm is computed every step (clipping needs it; its reductions are the
+        model's own). Everything else happens on logging steps only: the loss reduction over the
+        data-parallel group (``sync_dist``) and the host-to-device copies of Python numbers that
+        ``self.log`` makes. Other steps issue no collective and read nothing back to the host.
+        """
         grads_owner = self.trainer.strategy
         self._last_grad_norm = total_grad_norm(
             list(self.parameters()), pp_group=getattr(grads_owner, "pp_group", None)
         )
-        step_loss = self._step_loss / max(self._micro_batches, 1)
-        self.log("train/loss", step_loss, sync_dist=True, prog_bar=True, on_step=True, on_epoch=False)
-        self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
-        self.log("train/grad_norm", self._last_grad_norm, on_step=True, on_epoch=False)
-        self.log("train/tokens_seen", float((self.global_step + 1) * self._tokens_per_step),
-                 on_step=True, on_epoch=False)
-        self._step_loss = torch.zeros((), device=step_loss.device)
-        self._micro_batches = 0
+        if is_logging_step(self.trainer, self.global_step + 1):
+            step_loss = self._step_loss / max(self._micro_batches, 1)
+            self.log("train/loss", step_loss, sync_dist=True, prog_bar=True, on_step=True, on_epoch=False)
+            self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+            self.log("train/grad_norm", self._last_grad_norm, on_step=True, on_epoch=False)
+            self.log("train/tokens_seen", float((self.global_step + 1) * self._tokens_per_step),
+                     on_step=True, on_epoch=False)
+        self._micro_batches = 0  # the next record_train_loss starts a new sum
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         # Lightning zeroes gradients between training_step and backward; under pipeline

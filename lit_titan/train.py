@@ -177,10 +177,16 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
                                             during_save=bool(cfg.fault.during_save),
                                             save_error=cfg.fault.get("save_error")))
     t = cfg.trainer
+    accumulation = global_batch // (dims.dp * micro)
+    from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+
+    if t.enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in all_callbacks):
+        # Redraw when a metrics row is written (each redraw is terminal output on the training thread).
+        all_callbacks.append(TQDMProgressBar(refresh_rate=max(1, int(t.log_every_n_steps)) * accumulation))
     trainer = L.Trainer(
         accelerator=cfg.cluster.accelerator, devices=cfg.cluster.devices, num_nodes=cfg.cluster.num_nodes,
         strategy=build_strategy(cfg), precision=cfg.precision, max_steps=int(t.max_steps),
-        accumulate_grad_batches=global_batch // (dims.dp * micro), gradient_clip_val=t.gradient_clip_val,
+        accumulate_grad_batches=accumulation, gradient_clip_val=t.gradient_clip_val,
         log_every_n_steps=t.log_every_n_steps, limit_val_batches=t.limit_val_batches,
         val_check_interval=t.val_check_interval if t.limit_val_batches else None,
         enable_progress_bar=t.enable_progress_bar, deterministic=t.deterministic,

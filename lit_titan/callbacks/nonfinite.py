@@ -12,7 +12,9 @@ checks each optimizer step *before* the update and either
 The decision is identical on every rank: each rank checks its loss and its local gradient shards,
 then one all-reduce of two flags over the world group combines them (a NaN in one rank's shard is
 a NaN in the global gradient norm). Cost per optimizer step: a foreach norm of the local
-gradients, that all-reduce, and one device-to-host copy of the two flags.
+gradients, that all-reduce, and one device-to-host copy of the two flags: the guard decides before
+the update, so unlike logging it cannot wait for a logging step (it is the one host sync it adds to
+steps that do not log; ``train/skipped_steps`` is logged on logging steps only).
 
 Hook order: Lightning runs ``optimizer.step(closure)``; the closure runs forward/backward, then the
 callbacks' ``on_before_optimizer_step``, then the module's (``PretrainModule`` computes the global
@@ -34,6 +36,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lit_titan.log_cadence import is_logging_step
 
 __all__ = ["NonFiniteError", "NonFiniteGuard"]
 
@@ -171,7 +175,9 @@ class NonFiniteGuard(L.Callback):
         return loss_bad, grad_bad
 
     def _log(self, pl_module: L.LightningModule) -> None:
-        if self.action == "skip":  # a dense column: 0, 0, 1, 1, ... (cumulative)
+        # a dense column: 0, 0, 1, 1, ... (cumulative), in every row (logging steps only: logging a
+        # Python number copies it to the device, a host sync on GPU)
+        if self.action == "skip" and is_logging_step(pl_module.trainer, pl_module.trainer.global_step + 1):
             pl_module.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
 
 

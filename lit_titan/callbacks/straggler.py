@@ -18,7 +18,8 @@ What it cannot see: slowness *inside* forward/backward (a slow GPU or link) is a
 collective of the step and spreads over all ranks alike; finding it needs per-collective timings
 (e.g. NCCL's flight recorder), not step-level hooks.
 
-Every ``every_n_steps`` optimizer steps, all ranks all-gather (world group, strategy device: CUDA
+Every ``every_n_steps`` optimizer steps (at the first logging step from there, see
+``trainer.log_every_n_steps``: the gather reads its result back to the host), all ranks all-gather (world group, strategy device: CUDA
 for NCCL, CPU for gloo) three numbers over the window -- mean ``step_s``, mean ``outside_s``,
 number of steps -- and log, from every rank alike (the gathered values are identical):
 ``straggler/slowest_rank``, ``straggler/slowest_step_s``, ``straggler/median_step_s``,
@@ -38,6 +39,8 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+
+from lit_titan.log_cadence import forget_logged, is_logging_step
 
 __all__ = ["StragglerReport", "straggler_stats"]
 
@@ -78,6 +81,7 @@ class StragglerReport(L.Callback):
         self._t_prev_step: float | None = None  # end of the previous optimizer step
         self._t_batch_start: float | None = None
         self._t_forward: float | None = None  # this batch entered the module's forward
+        self._due = False  # every_n_steps reached; report at the next logging step
         self._reset_window()
 
     # ---- Lightning hooks ------------------------------------------------------------------------
@@ -93,6 +97,7 @@ class StragglerReport(L.Callback):
             self._hook = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._due = False
         self._reset_window()
         self._restart_clock(None)
         self._prev_global_step = trainer.global_step
@@ -100,7 +105,7 @@ class StragglerReport(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self._logged:
-            _forget_logged(trainer, "straggler/")
+            forget_logged(trainer, "straggler/")
             self._logged = False
         self._t_batch_start, self._t_forward = time.perf_counter(), None
 
@@ -121,6 +126,11 @@ class StragglerReport(L.Callback):
         self._outside, self._discard = 0.0, False
         self._t_prev_step = now
         if trainer.global_step % self.every_n_steps == 0:
+            self._due = True
+        # On the first logging step from there: a gather is a host sync (and only a logging step
+        # writes the values). Both depend on global_step alone, so every rank gathers together.
+        if self._due and is_logging_step(trainer, trainer.global_step):
+            self._due = False
             self._report(trainer, pl_module)
             self._restart_clock(time.perf_counter())  # the gather is not part of any step
 
@@ -175,18 +185,3 @@ class StragglerReport(L.Callback):
                 f"{stats['median_step_s']:.3f} s ({stats['ratio_to_median']:.2f}x > warn_ratio {self.warn_ratio:g}); "
                 f"it spends {outside_s[slowest]:.3f} s/step outside the model (data loading, host work) vs "
                 f"{statistics.median(outside_s):.3f} s median")
-
-
-def _forget_logged(trainer: L.Trainer, prefix: str) -> None:
-    """Drop metrics logged on an earlier step, so they are not written again in every later row.
-
-    Lightning keeps an on-step value until the epoch ends and writes it on every logging step; a
-    report made every N steps would then look like a fresh measurement in each row. Uses Lightning's
-    result collection (internal): if its shape changes, values repeat, nothing breaks.
-    """
-    try:
-        for item in (trainer._results or {}).values():
-            if getattr(item.meta, "name", "").startswith(prefix):
-                item.reset()
-    except Exception:  # pragma: no cover - a Lightning internals change: repeated values only
-        pass

@@ -1,9 +1,10 @@
-"""Per-device throughput, TFLOP/s, MFU and peak memory, logged once per optimizer step.
+"""Per-device throughput, TFLOP/s, MFU and peak memory, logged at each logging step.
 
-``ThroughputMonitor`` logs through ``pl_module.log(..., on_step=True, on_epoch=False)``, so the
-values land in the same metrics row (e.g. ``metrics.csv``) as ``train/loss`` of that step:
+``ThroughputMonitor`` logs through ``pl_module.log(..., on_step=True, on_epoch=False)`` on the
+steps that write a metrics row (``trainer.log_every_n_steps``), so the values land in the same
+row (e.g. ``metrics.csv``) as ``train/loss`` of that step, averaged over the steps since the last:
 
-- ``perf/tokens_per_sec_per_device``: global tokens of the step / step wall time / world size;
+- ``perf/tokens_per_sec_per_device``: global tokens of the window / its wall time / world size;
 - ``perf/tflops_per_device``:         tokens_per_sec_per_device * flops_per_token / 1e12;
 - ``perf/mfu``:                       tflops_per_device / peak bf16 dense TFLOP/s of the device,
   only on devices listed in ``PEAK_BF16_TFLOPS`` (never on CPU or unknown GPUs);
@@ -31,6 +32,8 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor, nn
+
+from lit_titan.log_cadence import forget_logged, is_logging_step
 
 __all__ = [
     "PEAK_BF16_TFLOPS",
@@ -117,13 +120,18 @@ def per_device_throughput(global_tokens: float, step_seconds: float, world_size:
 
 
 class ThroughputMonitor(L.Callback):
-    """Logs ``perf/*`` once per optimizer step (at accumulation boundaries), from the second on.
+    """Logs ``perf/*`` at logging steps (``trainer.log_every_n_steps``), averaged over the steps since the last.
 
-    A step's time is the wall time between the ends of two consecutive optimizer steps (data
-    loading included; validation excluded: the clock restarts when validation ends). The first
-    ``warmup_steps`` steps (start-up, ``torch.compile``) only start the clock. On CUDA the step
-    boundary calls ``torch.cuda.synchronize()`` once per optimizer step, so the time covers the
-    queued kernels; on CPU nothing is synchronised.
+    A window runs from the end of one logged optimizer step (or of warm-up) to the end of the next
+    logged one; its time covers everything in between (data loading included; validation
+    excluded: the clock restarts when validation ends). The logged numbers are the window's
+    tokens / time (with ``log_every_n_steps=1``: each step's own). The first ``warmup_steps``
+    steps (start-up, ``torch.compile``) only start the clock.
+
+    No host sync on steps that do not log: on CUDA the window boundaries are CUDA events recorded
+    on the current stream, and the elapsed time is read at the logging step (one
+    ``Event.synchronize`` there, the step the loss is read anyway); on other devices the host clock
+    is read at window boundaries only.
 
     MFU is always measured against the device's *bf16 dense* peak, also when training with
     Float8 matmuls (then MFU can exceed what bf16 could reach; it stays comparable across
@@ -145,10 +153,11 @@ class ThroughputMonitor(L.Callback):
         self.last: dict[str, float] = {}
         self.num_params: int | None = None
         self.peak_tflops: float | None = None
-        self._t_prev: float | None = None
+        self._start: _Mark | None = None  # the window's start (None: clock not running)
         self._steps_seen = 0
         self._prev_global_step = 0
-        self._window_tokens = 0  # this rank's input tokens since the last optimizer step
+        self._window_tokens = 0  # this rank's input tokens since the window started
+        self._window_steps = 0
         self._seq_len = 0
 
     # ---- Lightning hooks ------------------------------------------------------------------------
@@ -161,28 +170,39 @@ class ThroughputMonitor(L.Callback):
             self.peak_tflops = peak_bf16_tflops(torch.cuda.get_device_name(device))
         else:
             self.peak_tflops = None
-        self._t_prev, self._steps_seen = None, 0
+        self._start, self._steps_seen = None, 0
         self._prev_global_step = trainer.global_step
-        self._window_tokens = 0
+        self._window_tokens = self._window_steps = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        forget_logged(trainer, "perf/")  # logged at the previous logging step; its row is written
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        tokens = _batch_tokens(batch)
+        tokens = _batch_tokens(batch)  # shapes only: no device access
         if tokens is not None:
             self._window_tokens += tokens[0] * tokens[1]
             self._seq_len = tokens[1]
         if trainer.global_step == self._prev_global_step:
             return  # inside an accumulation window: no optimizer step yet
         self._prev_global_step = trainer.global_step
-        window_tokens, self._window_tokens = self._window_tokens, 0
-        now = self._now(pl_module.device)
-        t_prev, self._t_prev = self._t_prev, now
         self._steps_seen += 1
-        if self._steps_seen <= self.warmup_steps or t_prev is None or not window_tokens:
+        if self._steps_seen <= self.warmup_steps or self._start is None:
+            self._restart(pl_module.device)
             return
+        self._window_steps += 1
+        if not is_logging_step(trainer, trainer.global_step):
+            return  # nothing read, nothing logged: no host sync on this step
+        start, end = self._start, _Mark.now(pl_module.device)
+        window_tokens, window_steps = self._window_tokens, self._window_steps
+        self._start, self._window_tokens, self._window_steps = end, 0, 0
+        if not window_tokens:
+            return
+        seconds = start.seconds_until(end)  # on CUDA: waits for the GPU to reach the step's end
 
-        # Global tokens of the step: this rank's (micro * seq_len per micro-batch, summed over the
-        # accumulation window) times the data-parallel size; tp/cp/pp peers see the same batch.
+        # Global tokens of the window: this rank's (micro * seq_len per micro-batch, summed over the
+        # accumulation windows) times the data-parallel size; tp/cp/pp peers see the same batch.
         dp = getattr(trainer.strategy, "data_parallel_size", None) or trainer.world_size
         global_tokens = window_tokens * dp
         # Per device: global tokens / world size. Lightning's ThroughputMonitor multiplies the
@@ -191,32 +211,51 @@ class ThroughputMonitor(L.Callback):
         # numbers for the same per-device work under any layout.
         model_args = getattr(pl_module, "model_args", None)
         fpt = flops_per_token(model_args, self._seq_len, self.num_params) if model_args is not None else 0.0
-        values = per_device_throughput(global_tokens, now - t_prev, trainer.world_size, fpt, self.peak_tflops)
+        values = per_device_throughput(global_tokens, seconds, trainer.world_size, fpt, self.peak_tflops)
         if model_args is None:
             values.pop("tflops_per_device")
             values.pop("mfu", None)
         if self.log_memory and pl_module.device.type == "cuda":
             values["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / _GIB
             values["max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(pl_module.device) / _GIB
-        values["step_seconds"] = now - t_prev
-        values["global_tokens"] = float(global_tokens)
-        self.last = dict(values)
-        for key in ("step_seconds", "global_tokens"):
-            values.pop(key)
+        # per-step means over the window
+        self.last = {**values, "step_seconds": seconds / window_steps, "global_tokens": global_tokens / window_steps,
+                     "window_steps": float(window_steps)}
         for key, value in values.items():
             pl_module.log(f"perf/{key}", float(value), on_step=True, on_epoch=False)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Validation inside fit runs right after a step end: restart the clock so it isn't counted.
-        if self._t_prev is not None:  # None before training / during the sanity check
-            self._t_prev = self._now(pl_module.device)
+        if self._start is not None:  # None before training / during the sanity check
+            self._restart(pl_module.device)
 
     # ---- helpers --------------------------------------------------------------------------------
-    @staticmethod
-    def _now(device: torch.device) -> float:
+    def _restart(self, device: torch.device) -> None:
+        self._start, self._window_tokens, self._window_steps = _Mark.now(device), 0, 0
+
+
+class _Mark:
+    """A point in the step stream: a CUDA event recorded on the current stream, or the host clock."""
+
+    __slots__ = ("event", "host")
+
+    def __init__(self, event: Any = None, host: float | None = None) -> None:
+        self.event, self.host = event, host
+
+    @classmethod
+    def now(cls, device: torch.device) -> _Mark:
         if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the one sync per optimizer step
-        return time.perf_counter()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))  # queued: no wait
+            return cls(event=event)
+        return cls(host=time.perf_counter())
+
+    def seconds_until(self, end: _Mark) -> float:
+        if self.event is not None and end.event is not None:
+            end.event.synchronize()  # the one host wait, on logging steps only
+            return self.event.elapsed_time(end.event) / 1e3  # ms -> s
+        assert self.host is not None and end.host is not None
+        return end.host - self.host
 
 
 def _batch_tokens(batch: Any) -> tuple[int, int] | None:

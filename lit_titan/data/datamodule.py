@@ -257,6 +257,7 @@ class PretrainDataModule(L.LightningDataModule):
         data_dir: str = "data_cache",
         seed: int = 0,
         num_workers: int = 0,
+        pin_memory: bool | None = None,
         max_bytes: int | None = DEFAULT_MAX_BYTES,
         shuffle: bool = True,
         model_vocab_size: int | None = None,
@@ -274,6 +275,7 @@ class PretrainDataModule(L.LightningDataModule):
         self.data_dir = Path(data_dir).expanduser()
         self.seed = seed
         self.num_workers = num_workers
+        self.pin_memory = pin_memory
         self.max_bytes = max_bytes
         self.shuffle = shuffle
         self.model_vocab_size = model_vocab_size
@@ -524,5 +526,18 @@ class PretrainDataModule(L.LightningDataModule):
             micro_batch_size=self._micro,
             num_workers=self.num_workers,
             drop_last=True,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=self._pin_memory(),
         )
+
+    def _pin_memory(self) -> bool:
+        """``pin_memory``, or by default: whether the batches go to a CUDA device.
+
+        Page-locked batches let Lightning's ``non_blocking`` copy to the GPU overlap compute; with a
+        loader worker, torch pins them in a background thread of the training process.
+        """
+        if self.pin_memory is not None:
+            return bool(self.pin_memory)
+        trainer = self.trainer
+        if trainer is not None:
+            return trainer.strategy.root_device.type == "cuda"
+        return torch.cuda.is_available()

@@ -173,15 +173,18 @@ class PipelineRunner:
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return self._loss_fn(output, target) * self._scale
 
-    def _mean_loss(self, losses: list[Tensor]) -> Tensor:
-        """Mean unscaled micro-batch loss of the last stage, the same on every pipeline rank."""
+    def _mean_loss(self, losses: list[Tensor], sum_over_stages: bool = True) -> Tensor:
+        """Mean unscaled micro-batch loss of the last stage; the same on every pipeline rank when
+        ``sum_over_stages`` (an all-reduce over the pp group), else zero off the last stage."""
         if self.has_last and losses:
             total = torch.stack([_plain(loss.detach()).float() for loss in losses]).sum()
             loss = total / (self._scale * len(losses))
         else:
-            loss = torch.zeros((), dtype=torch.float32)
+            # made on the device: a host-made zero would be a blocking copy to the GPU per micro-batch
+            loss = torch.zeros((), dtype=torch.float32, device=self.stages[0].device)
         loss = loss.to(self.stages[0].device)
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pp_group)
+        if sum_over_stages:
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pp_group)
         return loss
 
     def check_batch(self, local_batch: int) -> None:
@@ -191,13 +194,16 @@ class PipelineRunner:
                               f"parallel.pp_microbatches")
 
     def train_step(self, inputs: Tensor, labels: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor],
-                   accumulation: int) -> Tensor:
-        """Forward and backward of one (Lightning) micro-batch through the pipeline."""
+                   accumulation: int, sum_over_stages: bool = True) -> Tensor:
+        """Forward and backward of one (Lightning) micro-batch through the pipeline.
+
+        ``sum_over_stages=False`` skips the loss all-reduce over the pp group (steps that do not log).
+        """
         self.check_batch(inputs.shape[0])
         self._loss_fn, self._scale = loss_fn, 1.0 / (self.microbatches * accumulation)
         losses: list[Tensor] = []
         self.schedule.step(inputs, target=labels, losses=losses, **self._step_kwargs)
-        return self._mean_loss(losses)
+        return self._mean_loss(losses, sum_over_stages)
 
     @torch.no_grad()
     def eval_step(self, inputs: Tensor, labels: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:

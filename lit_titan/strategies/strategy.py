@@ -29,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from lit_titan.checkpoint import CheckpointWriter, load_sharded
+from lit_titan.log_cadence import amortise_sigterm_check, is_logging_step
 from lit_titan.strategies.context_parallel import ContextParallel
 from lit_titan.strategies.fsdp import (
     GRAD_REDUCE_SCATTER,
@@ -148,7 +149,7 @@ class TitanStrategy(ModelParallelStrategy):
     def pp_group(self) -> torch.distributed.ProcessGroup | None:
         if self.parallel_dims is None or self.parallel_dims.pp == 1:
             return None
-        return self.device_mesh["pp"].get_group()
+        return self._pp_group
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -244,6 +245,8 @@ class TitanStrategy(ModelParallelStrategy):
         """
         self.parallel_dims = dims
         self._device_mesh, self.mesh_views = dims.build_mesh(device_type)
+        # Read every step (grad norm): slicing the mesh each time is host work (.tolist() of its ranks).
+        self._pp_group = self._device_mesh["pp"].get_group() if dims.pp > 1 else None
         if dims.cp > 1:
             self.context_parallel = ContextParallel(self._device_mesh["cp"].get_group())
 
@@ -343,6 +346,12 @@ class TitanStrategy(ModelParallelStrategy):
             torch.distributed.destroy_process_group()
             self._owns_process_group = False
 
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # Lightning broadcasts a SIGTERM flag and reads it back before every batch of a
+        # multi-process run: a collective and a host sync per micro-batch. Check on logging steps.
+        amortise_sigterm_check(self.lightning_module.trainer)
+
     # ---- collectives and contexts ---------------------------------------------------------------
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
         """Reduce over the data(+context)-parallel group by default: TP/PP peers hold copies, not samples."""
@@ -409,8 +418,12 @@ class TitanStrategy(ModelParallelStrategy):
                 if args[1] % accumulation == 0:  # first micro-batch of an optimizer step
                     for optimizer in self.optimizers:
                         optimizer.zero_grad()
+                # The loss lives on the last stage; summing it over the pp group (for the log) is a
+                # collective, so only on logging steps. Other steps return this stage's loss (zero
+                # off the last stage), which nothing but the logger reads.
                 loss = self.pipeline.train_step(local_inputs, local_labels, module.compute_loss,
-                                                accumulation=accumulation)
+                                                accumulation=accumulation,
+                                                sum_over_stages=is_logging_step(module.trainer, module.global_step + 1))
             else:
                 loss = module.compute_loss(module(local_inputs), local_labels)
             module.record_train_loss(loss, inputs)
