@@ -150,7 +150,7 @@ def bare_run(name: str, args: argparse.Namespace) -> dict:
         t_prev = now
     out = {"name": name, "tokens_per_sec": sum(rates) / len(rates), "final_loss": loss.item(),
            "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
-           "checkpointed_blocks": sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())}
+           "checkpointed_blocks": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules())}
     if cuda:
         out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     del model, optimizer
