@@ -110,7 +110,8 @@ def bare_run(name: str, args: argparse.Namespace) -> dict:
     cuda = not args.cpu_smoke
     if args.cpu_smoke:
         opts.pop("compile", None)  # inductor's cold start would dominate the smoke test
-        model_args, vocab = get_flavor("llama3_debug", **gpu_features.SMOKE_MODEL), gpu_features.SMOKE_MODEL["vocab_size"]
+        model_args = get_flavor("llama3_debug", **gpu_features.SMOKE_MODEL)
+        vocab = model_args.vocab_size
     else:
         model_args, vocab = get_flavor("llama3_8b", n_layers=args.layers), args.tokenizer_vocab
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -125,12 +126,11 @@ def bare_run(name: str, args: argparse.Namespace) -> dict:
                                   lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=cuda)
     precompute_scales = opts.get("float8") == "tensorwise"
     seq_len = gpu_features.SMOKE_SEQ_LEN if args.cpu_smoke else args.seq_len
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
     rates, loss = [], None
     t_prev = time.perf_counter()
     for step in range(args.warmup + args.steps):
-        batch = torch.randint(0, vocab, (1, seq_len + 1), pin_memory=cuda).to(device, non_blocking=True)
+        batch = torch.randint(0, vocab, (1, seq_len + 1))  # a loader's batch: [micro, seq_len + 1] on the host
+        batch = (batch.pin_memory() if cuda else batch).to(device, non_blocking=True)
         inputs, labels = batch[:, :-1], batch[:, 1:]
         loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten(0, 1))
         loss.backward()

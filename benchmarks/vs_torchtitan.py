@@ -153,8 +153,9 @@ def tt_config(name: str, args: argparse.Namespace, dump_folder: str):
     compile_on = bool(opts.get("compile")) and not smoke  # inductor's cold start would dominate the smoke test
     converters = []
     if opts.get("float8"):  # smoke: no FP8 units, so torchao's emulation (TorchTitan allows it without compile)
-        converters = [Float8LinearConverter.Config(recipe_name=opts["float8"], emulate=smoke,
-                                                   filter_fqns=["lm_head"] + ([] if smoke else ["auto_filter_small_kn"]),
+        # LM head in bf16 (its 405B recipe); auto_filter_small_kn: torchao's small-GEMM filter, as lit-titan's default
+        skip = ["lm_head", *([] if smoke else ["auto_filter_small_kn"])]
+        converters = [Float8LinearConverter.Config(recipe_name=opts["float8"], emulate=smoke, filter_fqns=skip,
                                                    model_compile_enabled=compile_on)]
     spec = model_registry("debugmodel" if smoke else "8B", converters=converters)
     spec.model.layers = spec.model.layers[: SMOKE_MODEL["n_layers"] if smoke else args.layers]
@@ -169,7 +170,8 @@ def tt_config(name: str, args: argparse.Namespace, dump_folder: str):
         loss=ce if args.plain_ce else ChunkedLossWrapper.Config(loss_fn=ce),
         optimizer=default_adamw(lr=1e-4),
         training=TrainingConfig(local_batch_size=1, seq_len=args.smoke_seq_len if smoke else args.seq_len,
-                                steps=args.warmup + args.steps, max_norm=1.0, disable_cuda_graphs=smoke,
+                                steps=args.warmup + args.steps, max_norm=1.0,
+                                disable_cuda_graphs=smoke or args.tt_no_cuda_graphs,
                                 mixed_precision_param="float32" if smoke else "bfloat16"),
         compile=CompileConfig(enable=compile_on),
         activation_checkpoint=SelectiveAC.Config() if opts.get("selective_ac") else None,
@@ -201,8 +203,6 @@ def tt_run(name: str, args: argparse.Namespace) -> dict:
             ends.append(time.perf_counter())
 
         trainer.train_step = timed_step
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
         try:
             trainer.train()
         finally:
@@ -253,7 +253,7 @@ def run_child(names: list[str], args: argparse.Namespace) -> list[dict]:
     forwarded = ["--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--tokenizer-vocab", str(args.tokenizer_vocab), "--port", str(args.port),
                  *[f"--lit-override={o}" for o in args.lit_override], *(["--plain-ce"] if args.plain_ce else []),
-                 *(["--tt-sdpa"] if args.tt_sdpa else []),
+                 *(["--tt-sdpa"] if args.tt_sdpa else []), *(["--tt-no-cuda-graphs"] if args.tt_no_cuda_graphs else []),
                  *(["--cpu-smoke"] if args.cpu_smoke else [])]
     proc = subprocess.run([sys.executable, __file__, "--child", *names, *forwarded], capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"rows"')]
@@ -277,7 +277,7 @@ def side_by_side(names: list[str], args: argparse.Namespace) -> list[dict]:
 
 def table(rows: list[dict], lit_count: int) -> str:
     lines = ["| configuration | TorchTitan tok/s | lit-titan tok/s | lit / TorchTitan | TorchTitan peak GiB | "
-             "lit-titan peak GiB | parameters (TorchTitan / lit-titan) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "lit-titan peak GiB | parameters (TorchTitan / lit-titan) |", "|" + " --- |" * 7]
     for r in rows:
         tt, lit = r["torchtitan"], r["lit"]
         a, b = tt.get("tokens_per_sec"), lit.get("perf/tokens_per_sec_per_device")
@@ -302,6 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lit-override", action="append", default=[],
                         help="extra Hydra override for every lit-titan run, e.g. +optim.fused=true")
     parser.add_argument("--plain-ce", action="store_true", help="TorchTitan: plain instead of chunked cross-entropy")
+    parser.add_argument("--tt-no-cuda-graphs", action="store_true",
+                        help="TorchTitan: no CUDA graph of forward+backward (on by default in 0.3.0)")
     parser.add_argument("--tt-sdpa", action="store_true",
                         help="TorchTitan: causal SDPA (cuDNN, flash, math) instead of its default flex attention")
     parser.add_argument("--port", type=int, default=0, help="TorchTitan's rendezvous port (0: a free one)")
@@ -334,9 +336,10 @@ def main(argv: list[str] | None = None) -> None:
              f"Llama 3.1 8B widths, {args.layers} layers, seq {args.seq_len}, micro-batch 1, global batch 1, bf16 "
              "params / fp32 reduce, FSDP2 on one GPU")
     print(f"Model: {shape}; mean tokens/s over {args.steps} steps after {args.warmup} warm-up steps")
-    print(f"TorchTitan's own choices: {'SDPA' if args.tt_sdpa or args.cpu_smoke else 'flex'} attention, {'plain' if args.plain_ce else 'chunked'} cross-entropy, "
-          f"{'no CUDA graphs' if args.cpu_smoke else 'CUDA graph of forward+backward'}, GC every 50 steps, "
-          "metrics every 10 steps\n")
+    attention = "SDPA" if args.tt_sdpa or args.cpu_smoke else "flex"
+    print(f"TorchTitan's own choices: {attention} attention, {'plain' if args.plain_ce else 'chunked'} cross-entropy, "
+          f"{'no CUDA graphs' if args.cpu_smoke or args.tt_no_cuda_graphs else 'CUDA graph of forward+backward'}, "
+          "GC every 50 steps, metrics every 10 steps\n")
     print(table(rows, lit_count))
 
 
