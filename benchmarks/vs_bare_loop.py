@@ -77,7 +77,7 @@ def build_model(model_args, opts: dict, device, mesh, bf16: bool, smoke: bool):
 
 
 def selective_checkpoint(block):
-    """Non-reentrant AC that keeps matmul, attention and FP8-matmul outputs (TorchTitan's op list)."""
+    """Non-reentrant AC keeping matmul, attention and FP8-matmul outputs (lit-titan's selective_op save list)."""
     from functools import partial
 
     import torch
