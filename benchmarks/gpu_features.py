@@ -40,30 +40,47 @@ CONFIGS: dict[str, list[str]] = {
     "compile_float8_rowwise_gw_hp": ["callbacks=[throughput,compile,float8]",
                                      "callbacks.float8.recipe=rowwise_with_gw_hp"],
 }
+# --cpu-smoke: a model small enough that start-up dominates (shared with vs_bare_loop.py's bare loop)
+SMOKE_MODEL = {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
+SMOKE_SEQ_LEN = 64
 METRICS = ("perf/tokens_per_sec_per_device", "perf/tflops_per_device", "perf/mfu", "perf/max_memory_allocated_gib",
            "perf/max_memory_reserved_gib")
 
 
 def run_config(name: str, extra: list[str], args: argparse.Namespace, root: Path) -> dict[str, float | str]:
     run_dir = root / name
-    if args.cpu_smoke:
-        base = ["model=llama3_debug", "model.n_layers=2", "cluster=cpu", "precision=32-true", "data.seq_len=128",
-                "data.max_bytes=300000", "data.tokenizer.vocab_size=512", "model.vocab_size=512"]
-        extra = [_without(e, ("compile", "float8")) for e in extra if "float8." not in e]
-    else:
-        base = ["model=llama3_8b", f"model.n_layers={args.layers}", "cluster=gpu_1", "precision=bf16-mixed",
-                f"data.seq_len={args.seq_len}", f"data.tokenizer.vocab_size={args.tokenizer_vocab}"]
-    cmd = [sys.executable, "-m", "lit_titan.train", *base, *extra, "data.global_batch_size=1",
-           f"trainer.max_steps={args.warmup + args.steps}", "trainer.enable_progress_bar=false",
-           "checkpoint.enabled=false", "callbacks.throughput.warmup_steps=1", f"run_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "lit_titan.train", *lit_overrides(extra, args, run_dir)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         return {"name": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200], "wall_s": wall}
+    return {**read_result(name, run_dir, args), "wall_s": wall}
+
+
+def lit_overrides(extra: list[str], args: argparse.Namespace, run_dir: Path,
+                  smoke_model: dict[str, int] = SMOKE_MODEL) -> list[str]:
+    """The ``python -m lit_titan.train`` overrides of one configuration (``extra`` on top of the shapes)."""
+    if args.cpu_smoke:
+        base = ["model=llama3_debug", *[f"model.{k}={v}" for k, v in smoke_model.items()], "cluster=cpu",
+                "precision=32-true", f"data.seq_len={SMOKE_SEQ_LEN}", "data.max_bytes=300000",
+                "data.tokenizer.vocab_size=512"]
+        extra = [_without(e, ("compile",)) for e in extra]
+        if any("float8" in e for e in extra):  # no FP8 units: emulate, and keep the tiny Linears
+            extra += ["callbacks.float8.emulate=true", "callbacks.float8.auto_filter_small_kn=false"]
+    else:
+        base = ["model=llama3_8b", f"model.n_layers={args.layers}", "cluster=gpu_1", "precision=bf16-mixed",
+                f"data.seq_len={args.seq_len}", f"data.tokenizer.vocab_size={args.tokenizer_vocab}"]
+    return [*base, *extra, "data.global_batch_size=1", f"trainer.max_steps={args.warmup + args.steps}",
+            "trainer.enable_progress_bar=false", "checkpoint.enabled=false", "callbacks.throughput.warmup_steps=1",
+            f"run_dir={run_dir}"]
+
+
+def read_result(name: str, run_dir: Path, args: argparse.Namespace) -> dict[str, float | str]:
+    """Mean ``perf/*`` over the steps after ``--warmup`` (peak for memory) from the run's metrics.csv."""
     rows = [r for r in csv.DictReader(open(run_dir / "metrics.csv")) if r.get("step")]
     rows = [r for r in rows if int(r["step"]) >= args.warmup]
-    out: dict[str, float | str] = {"name": name, "wall_s": wall}
+    out: dict[str, float | str] = {"name": name}
     for key in METRICS:
         values = [float(r[key]) for r in rows if r.get(key)]
         if values:
@@ -130,7 +147,8 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=2))
     print(f"Command: python benchmarks/gpu_features.py {' '.join(sys.argv[1:])}")
     print(environment())
-    model = ("CPU smoke test: tiny llama3_debug, fp32, no compile/Float8 (numbers mean nothing)" if args.cpu_smoke
+    model = (f"CPU smoke test: llama3_debug with {SMOKE_MODEL}, seq {SMOKE_SEQ_LEN}, fp32, no compile, Float8 emulated "
+             "(numbers mean nothing)" if args.cpu_smoke
              else f"Llama 3.1 8B widths, {args.layers} layers, seq {args.seq_len}, micro-batch 1, bf16-mixed, AdamW")
     print(f"Model: {model}; mean over {args.steps} steps after {args.warmup} warm-up steps\n")
     print(table(results))
