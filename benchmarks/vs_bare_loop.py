@@ -11,7 +11,7 @@ start-up time); both report mean tokens/s over ``--steps`` steps after ``--warmu
 step's time running from the end of the previous step (synchronised on CUDA).
 
     python benchmarks/vs_bare_loop.py --layers 4 --json vs_bare.json > vs_bare.md
-    python benchmarks/vs_bare_loop.py --only bf16_compile --lit-override +optim.fused=true
+    python benchmarks/vs_bare_loop.py --only bf16_compile --lit-override optim.fused=true
     python benchmarks/vs_bare_loop.py --cpu-smoke          # plumbing only: tiny fp32 model, gloo, no compile
 
 ``--cpu-smoke`` numbers mean nothing (no compile; Float8 emulated).
@@ -232,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="token ids drawn below this (lit-titan's BPE); the model keeps 128256 rows")
     parser.add_argument("--only", nargs="+", choices=list(ROWS), default=None)
     parser.add_argument("--lit-override", action="append", default=[],
-                        help="extra Hydra override for every lit-titan run, e.g. +optim.fused=true")
+                        help="extra Hydra override for every lit-titan run, e.g. optim.fused=true")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny fp32 model on CPU: checks the script only")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     parser.add_argument("--child", nargs="+", choices=list(ROWS), help=argparse.SUPPRESS)

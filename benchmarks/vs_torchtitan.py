@@ -300,7 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="token ids drawn below this (lit-titan's BPE); the model keeps 128256 rows")
     parser.add_argument("--only", nargs="+", choices=list(ROWS), default=None)
     parser.add_argument("--lit-override", action="append", default=[],
-                        help="extra Hydra override for every lit-titan run, e.g. +optim.fused=true")
+                        help="extra Hydra override for every lit-titan run, e.g. optim.fused=true")
     parser.add_argument("--plain-ce", action="store_true", help="TorchTitan: plain instead of chunked cross-entropy")
     parser.add_argument("--tt-no-cuda-graphs", action="store_true",
                         help="TorchTitan: no CUDA graph of forward+backward (on by default in 0.3.0)")

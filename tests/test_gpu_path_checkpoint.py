@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import statistics
 import sys
 from collections import namedtuple
@@ -24,7 +23,7 @@ import torch
 
 from helpers import TINY, run_cli, run_job
 
-from lit_titan.checkpoint import CheckpointError, published, validate
+from lit_titan.checkpoint import published, validate
 from lit_titan.checkpoint import disk
 from lit_titan.checkpoint.staging import PinnedStager, local_bytes
 
