@@ -537,7 +537,7 @@ class PretrainDataModule(L.LightningDataModule):
         """
         if self.pin_memory is not None:
             return bool(self.pin_memory)
-        trainer = self.trainer
-        if trainer is not None:
-            return trainer.strategy.root_device.type == "cuda"
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        if device is not None:
+            return device.type == "cuda"
         return torch.cuda.is_available()

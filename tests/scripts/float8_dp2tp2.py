@@ -145,7 +145,8 @@ def _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator,
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=TitanStrategy(**strategy_kwargs),
                         precision=precision, max_steps=max_steps or steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+                        log_every_n_steps=1)  # Record reads train/loss every step
     trainer.fit(module, datamodule=data)
 
 
