@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-COMMANDS = {"train": "lit_titan.train", "plan": "lit_titan.plan", "launch": "lit_titan.launch",
-            "export": "lit_titan.export"}
+COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": "lit_titan.plan",
+            "launch": "lit_titan.launch", "export": "lit_titan.export"}
 
 
 def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseException], ...]) -> None:

@@ -87,6 +87,9 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=seq_len,
                   global_batch_size=int(cfg.data.global_batch_size),
                   micro_batch_size=cfg.data.micro_batch_size)
+    if cfg.data.get("document_positions") and (dims.pp > 1 or dims.cp > 1):
+        raise ConfigError("data.document_positions=true is not supported with parallel.pp > 1 or parallel.cp > 1 yet; "
+                          "set data.document_positions=false")
     if dims.pp > 1:
         micro = int(cfg.data.micro_batch_size or int(cfg.data.global_batch_size) // dims.dp)
         pipeline_config(cfg).validate(pp=dims.pp, n_units=args.n_layers + 2, local_batch=micro)

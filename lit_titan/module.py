@@ -104,17 +104,19 @@ class PretrainModule(L.LightningModule):
         """[b, seq_len + 1] token blocks -> (inputs, next-token labels)."""
         return batch[:, :-1], batch[:, 1:]
 
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+    def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
         # Under pipeline parallelism the strategy runs the schedule instead of this method, with
         # the same split_batch / compute_loss / record_train_loss.
+        batch, positions = _tokens_and_positions(batch)
         inputs, labels = self.split_batch(batch)
-        loss = self.compute_loss(self(inputs), labels)
+        loss = self.compute_loss(self(inputs, positions), labels)
         self.record_train_loss(loss, inputs)
         return loss
 
-    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+    def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
+        batch, positions = _tokens_and_positions(batch)
         inputs, labels = self.split_batch(batch)
-        loss = self.compute_loss(self(inputs), labels)
+        loss = self.compute_loss(self(inputs, positions), labels)
         self.record_val_loss(loss)
         return loss
 
@@ -196,3 +198,10 @@ def _optim_config(values: dict[str, Any]) -> OptimConfig:
     if "betas" in values:
         values["betas"] = tuple(values["betas"])
     return OptimConfig(**values)
+
+
+def _tokens_and_positions(batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+    """A token batch, or ``{"tokens", "positions"}`` from ``data.document_positions=true``."""
+    if isinstance(batch, dict):
+        return batch["tokens"], batch.get("positions")
+    return batch, None

@@ -144,6 +144,7 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     import lightning as L
 
     from lit_titan.callbacks import Checkpointing, FaultInjection, RunSummary
+    from lit_titan.data.progress import DataProgress
     from lit_titan.module import PretrainModule
 
     args, dims = validate(cfg)
@@ -167,7 +168,7 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)
     summary = RunSummary(run_dir=str(run_dir))
     configured = [_instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
-    all_callbacks = [summary, *configured, *(callbacks or [])]
+    all_callbacks = [summary, DataProgress(), *configured, *(callbacks or [])]
     if cfg.checkpoint.enabled:
         c = cfg.checkpoint
         all_callbacks.append(Checkpointing(dirpath=str(run_dir / "checkpoints"), every_n_steps=int(c.every_n_steps),

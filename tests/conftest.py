@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from s3server import s3_server  # noqa: F401  (a real S3-compatible server on 127.0.0.1: tests/s3server.py)
 
 # One inductor cache for the whole suite and every process it starts (worlds, command lines): the
 # first compile of a graph pays the C++ build, every later one (other ranks, the next run of the

@@ -47,8 +47,9 @@ def test_resume_is_bitwise_exact(reference, tmp_path, worlds):
     assert losses(tmp_path) == losses(reference)[EVERY:]  # bitwise, not approximately
 
 
-@pytest.mark.parametrize("layout", [["cluster.devices=4", "parallel.pp=2"], ["cluster.devices=4"],
-                                    ["cluster.devices=1"]], ids=["pp2xdp2", "dp4", "one-process"])
+@pytest.mark.parametrize("layout", [["cluster.devices=4", "parallel.pp=2"], ["cluster.devices=4", "data.num_workers=2"],
+                                    ["cluster.devices=1"], ["cluster.devices=1", "data.micro_batch_size=2"]],
+                         ids=["pp2xdp2", "dp4-2workers", "one-process", "one-process-accum4"])
 def test_resume_into_another_layout(reference, tmp_path, layout, worlds):
     """Weights, optimizer, LR schedule and the data position carry over: the data-parallel size
     changes (2 -> 2, 4, 1), and every later step sees the same samples as the uninterrupted run."""

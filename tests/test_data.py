@@ -103,8 +103,8 @@ def test_dp_coords_resolution(data_dir: Path) -> None:
 
 
 def _step_rows(per_rank: list[list[torch.Tensor]], accum: int, step: int) -> torch.Tensor:
-    """Rows of optimizer step ``step``: micro-steps in order, each = dp ranks' rows in rank order."""
-    return torch.cat([torch.cat([b[step * accum + j] for b in per_rank]) for j in range(accum)])
+    """Rows of optimizer step ``step``: dp ranks in rank order, each its micro-batches in order."""
+    return torch.cat([torch.cat([b[step * accum + j] for j in range(accum)]) for b in per_rank])
 
 
 def _rank_batches(data_dir: Path, dp: int, micro: int, n: int | None = None, **kw: Any) -> list[list[torch.Tensor]]:
@@ -168,82 +168,57 @@ def test_loader_resume_continues_with_next_batch(data_dir: Path, num_workers: in
     reference = batches(make_dm(data_dir, num_workers=num_workers), k + 2)
     dm = make_dm(data_dir, num_workers=num_workers)
     dm.setup("fit")
-    loader = dm.train_dataloader()
-    it = iter(loader)
-    seen = [next(it) for _ in range(k)]
-    state = loader.state_dict()
-    del it
-    assert all(torch.equal(x, y) for x, y in zip(seen, reference))
-
+    state = dm.data_state(k)  # what a checkpoint after k optimizer steps holds
+    assert len(json.dumps(state)) < 1024 and state["consumed"] == [k * 4]
     dm2 = make_dm(data_dir, num_workers=num_workers)
-    dm2.setup("fit")
-    loader2 = dm2.train_dataloader()
-    loader2.load_state_dict(state)
-    nxt = next(iter(loader2))
-    assert torch.equal(nxt, reference[k])
+    dm2.load_state_dict(state)
+    it = iter(dm2.train_dataloader())
+    assert torch.equal(next(it), reference[k]) and torch.equal(next(it), reference[k + 1])
 
 
-def _loader(data_dir: Path, dp: int, micro: int, rank: int = 0, **kw: Any) -> Any:
+def _loader(data_dir: Path, dp: int, micro: int, rank: int = 0, state: dict | None = None, **kw: Any) -> Any:
     dm = make_dm(data_dir, global_batch_size=8, micro_batch_size=micro, dp_rank=rank, dp_size=dp, **kw)
+    if state is not None:
+        dm.load_state_dict(copy.deepcopy(state))
     dm.setup("fit")
     return dm.train_dataloader()
 
 
 def test_resume_across_dp_layouts(data_dir: Path) -> None:
-    """k optimizer steps at dp2 x micro2 (accum 2); resume at dp1 x micro8, dp4 x micro2, dp1 x micro4."""
+    """k optimizer steps at dp2 x micro2 (accum 2); resume at dp1 x micro8, dp4 x micro2, dp1 x micro4 + 2 workers."""
     k = 3
     ref = batches(make_dm(data_dir, global_batch_size=8, micro_batch_size=8), k + 2)
     states = []
     for rank in range(2):
-        loader = _loader(data_dir, 2, 2, rank)
-        it = iter(loader)
-        seen = [next(it) for _ in range(2 * k)]
-        states.append(loader.state_dict())
-        del it
-        if rank == 0:
-            seen0 = seen
-        else:
-            assert torch.equal(_step_rows([seen0, seen], 2, k - 1), ref[k - 1])
+        dm = make_dm(data_dir, global_batch_size=8, micro_batch_size=2, dp_rank=rank, dp_size=2)
+        dm.setup("fit")
+        states.append(dm.data_state(k))
     assert states[0] == states[1]  # every dp rank holds the same (global) position
-    state = states[0]
-    assert state["num_samples_yielded"] == state["dataset"]["num_samples_yielded"] == k * 8
 
-    def next_step(dp: int, micro: int, accum: int) -> torch.Tensor:
+    def next_step(dp: int, micro: int, accum: int, **kw: Any) -> torch.Tensor:
         per_rank = []
         for rank in range(dp):
-            loader = _loader(data_dir, dp, micro, rank)
-            loader.load_state_dict(copy.deepcopy(state))
-            it = iter(loader)
+            it = iter(_loader(data_dir, dp, micro, rank, states[0], **kw))
             per_rank.append([next(it) for _ in range(accum)])
         return _step_rows(per_rank, accum, 0)
 
     assert torch.equal(next_step(1, 8, 1), ref[k])
     assert torch.equal(next_step(4, 2, 1), ref[k])
-    assert torch.equal(next_step(1, 4, 2), ref[k])
-    # ... and the resumed loader keeps going: step k+1 too, and its own state counts on from k*8
-    loader = _loader(data_dir, 1, 8)
-    loader.load_state_dict(copy.deepcopy(state))
-    it = iter(loader)
+    assert torch.equal(next_step(1, 4, 2, num_workers=2), ref[k])
+    it = iter(_loader(data_dir, 1, 8, state=states[0]))
     assert torch.equal(next(it), ref[k]) and torch.equal(next(it), ref[k + 1])
-    assert loader.state_dict()["num_samples_yielded"] == (k + 2) * 8
 
 
-def test_resume_across_layouts_refuses_inexact(data_dir: Path) -> None:
-    loader = _loader(data_dir, 2, 2)
-    it = iter(loader)
-    next(it)  # one micro-step: 4 global samples, not a whole step of 8
-    state = loader.state_dict()
-    del it
-    with pytest.raises(ValueError, match="not a multiple of dp_size\\*micro_batch_size=8"):
-        _loader(data_dir, 1, 8).load_state_dict(copy.deepcopy(state))
-    # several workers: the order depends on (num_workers, dp*micro), so a layout change is refused
-    with pytest.raises(ValueError, match="num_workers <= 1"):
-        _loader(data_dir, 1, 4, num_workers=2).load_state_dict(copy.deepcopy(state))
-    # a state from the old rank-sharded pipeline (world_size = dp_size) is refused too
-    old = copy.deepcopy(state)
-    old["dataset"]["world_size"] = 2
-    with pytest.raises(ValueError, match="rank-sharded"):
-        _loader(data_dir, 2, 2).load_state_dict(old)
+def test_resume_refuses_other_data(data_dir: Path, tmp_path: Path) -> None:
+    dm = make_dm(data_dir, global_batch_size=8)
+    dm.setup("fit")
+    state = dm.data_state(2)
+    with pytest.raises(ValueError, match=r"other data or another data\.seq_len"):
+        _loader(data_dir, 1, 8, state=state, seq_len=SEQ // 2)
+    with pytest.raises(ValueError, match=r"data\.global_batch_size=8"):
+        make_dm(data_dir, global_batch_size=16).load_state_dict(copy.deepcopy(state))
+    with pytest.raises(ValueError, match="older data pipeline"):
+        make_dm(data_dir).load_state_dict({"loops": 1})
 
 
 class _TinyLM(L.LightningModule):
@@ -282,8 +257,8 @@ def test_lightning_checkpoint_resume(data_dir: Path, tmp_path: Path) -> None:
     first = _fit(data_dir, 3, tmp_path / "a", every=3)
     ckpts = sorted((tmp_path / "a").glob("*.ckpt"))
     assert ckpts, "ModelCheckpoint wrote nothing"
-    loader_state = torch.load(ckpts[-1], weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-    assert loader_state[0]["dataset"]["num_samples_yielded"] == 3 * 4  # 3 steps x micro batch 4
+    data_state = torch.load(ckpts[-1], weights_only=False)["PretrainDataModule"]
+    assert data_state["step"] == 3 and data_state["consumed"] == [3 * 4]  # 3 steps x global batch 4
     resumed = _fit(data_dir, 6, tmp_path / "b", ckpt_path=str(ckpts[-1]))
     assert len(first) == 3 and len(resumed) == 3
     for got, want in zip(first + resumed, full):
@@ -295,7 +270,7 @@ def test_token_cache_reused(data_dir: Path) -> None:
     dm = make_dm(data_dir)
     dm.prepare_data()
     assert not dm.last_prepare_built
-    index = dm.cache_path / "index.json"  # type: ignore[operator]
+    index = dm.shards_path() / "manifest.json"
     mtime = index.stat().st_mtime_ns
     dm2 = make_dm(data_dir)
     dm2.prepare_data()
@@ -303,9 +278,9 @@ def test_token_cache_reused(data_dir: Path) -> None:
     # setup() on a fresh module (other ranks) finds the cache and the trained tokenizer
     dm3 = make_dm(data_dir)
     dm3.setup("fit")
-    assert dm3.cache_path == dm.cache_path and dm3.tokenizer.vocab_size == dm.tokenizer.vocab_size
-    assert dm3.val_cache_path == dm.val_cache_path and (dm.val_cache_path / "index.json").is_file()  # type: ignore[operator]
-    assert not list((data_dir / "tokens").glob("*.tmp-*")), "temp build dirs must not be left behind"
+    assert dm3.shards_path() == dm.shards_path() and dm3.tokenizer.vocab_size == dm.tokenizer.vocab_size
+    assert dm3.val_split is not None and (dm.shards_path() / "val" / "index.json").is_file()
+    assert not list((data_dir / "shards").glob("*.tmp-*")), "temp build dirs must not be left behind"
 
 
 def _write_text_corpus(root: Path) -> Path:
@@ -336,7 +311,7 @@ def test_text_corpus_and_rebuild_on_change(tmp_path: Path) -> None:
     text = dm.tokenizer.decode(torch.cat(batches(PretrainDataModule(**kw, shuffle=False))).flatten().tolist())
     assert "Document 7: lorem ipsum" in text and EOS_TOKEN in text
 
-    old = dm.cache_path
+    old = dm.shards_path()
     dm = PretrainDataModule(**kw)
     dm.prepare_data()
     assert not dm.last_prepare_built
@@ -344,7 +319,7 @@ def test_text_corpus_and_rebuild_on_change(tmp_path: Path) -> None:
         f.write(json.dumps({"text": "a brand new document"}) + "\n")
     dm = PretrainDataModule(**kw)
     dm.prepare_data()
-    assert dm.last_prepare_built and dm.cache_path != old
+    assert dm.last_prepare_built and dm.shards_path() != old
 
 
 def test_bpe_tokenizer_cache(tmp_path: Path) -> None:
@@ -411,7 +386,7 @@ def test_bad_inputs(tmp_path: Path, data_dir: Path) -> None:
     (empty / "b.jsonl").write_text(json.dumps({"text": ""}) + "\n")
     with pytest.raises(ValueError, match=r"empty.*data\.path=DIR"):
         text_corpus(empty)
-    assert not (tmp_path / "c" / "tokens").exists()  # failed before any expensive work
+    assert not (tmp_path / "c" / "shards").exists()  # failed before any expensive work
 
 
 def test_atomic_build_leaves_no_partial_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -419,17 +394,17 @@ def test_atomic_build_leaves_no_partial_cache(tmp_path: Path, monkeypatch: pytes
     kw = dict(corpus="text", path=str(root), seq_len=16, global_batch_size=2, data_dir=str(tmp_path / "cache"),
               tokenizer={"kind": "bpe", "vocab_size": 300}, max_bytes=None)
 
-    import lit_titan.data.datamodule as dmod
+    import litdata
 
     def crash(**kwargs: Any) -> None:
         Path(kwargs["output_dir"]).mkdir(parents=True)
         (Path(kwargs["output_dir"]) / "chunk-0-0.bin").write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dmod, "optimize", crash)
+    monkeypatch.setattr(litdata, "optimize", crash)
     with pytest.raises(KeyboardInterrupt):
         PretrainDataModule(**kw).prepare_data()
-    assert not [p for p in (tmp_path / "cache" / "tokens").iterdir()]
+    assert not [p for p in (tmp_path / "cache" / "shards").iterdir()]
     monkeypatch.undo()
     dm = PretrainDataModule(**kw)
     dm.prepare_data()
@@ -437,26 +412,23 @@ def test_atomic_build_leaves_no_partial_cache(tmp_path: Path, monkeypatch: pytes
 
 
 def test_resume_uses_dp_coords_not_global_world(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Global world 4 / dp 2, 2 workers: resume must not mistake the world size for a topology change."""
+    """Global world 4 / dp 2, 2 workers: the rank's rows follow its dp coordinates, not the world."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("GLOBAL_RANK", "3")
 
-    def dm_on_rank3() -> PretrainDataModule:
+    def dm_on_rank3(state: dict | None = None) -> PretrainDataModule:
         dm = make_dm(data_dir, global_batch_size=4, micro_batch_size=2, num_workers=2)
         dm.trainer = _fake_trainer(3, 4, (1, 2))
+        if state:
+            dm.load_state_dict(state)
         dm.setup("fit")
         return dm
 
     reference = batches(dm_on_rank3(), 4)
-    loader = dm_on_rank3().train_dataloader()
-    it = iter(loader)
-    for _ in range(3):
-        next(it)
-    state = loader.state_dict()
-    assert state["dataset"]["world_size"] == 1  # litdata sees one global stream, not the world of 4
-    loader2 = dm_on_rank3().train_dataloader()
-    loader2.load_state_dict(state)
-    assert torch.equal(next(iter(loader2)), reference[3])
+    state = dm_on_rank3().data_state(3)
+    assert torch.equal(next(iter(dm_on_rank3(state).train_dataloader())), reference[3])
+    single = batches(make_dm(data_dir, global_batch_size=4), 4)
+    assert torch.equal(reference[3], single[3][2:])  # dp rank 1 of 2: the second half of step 3
 
 
 # ---- validation split -----------------------------------------------------------------
@@ -499,8 +471,8 @@ def test_val_split_by_file_disjoint_deterministic(data_dir: Path, tmp_path: Path
     dm.prepare_data()
     assert dm.val_corpus is not None and set(dm.train_corpus.files).isdisjoint(dm.val_corpus.files)
     assert set(dm.train_corpus.files) | set(dm.val_corpus.files) == set(dm.corpus.files)
-    assert dm.val_cache_path is not None and dm.val_cache_path != dm.cache_path
-    assert make_dm(data_dir, val_fraction=0.5)._cache_path("train") != dm.cache_path
+    assert (dm.shards_path() / "val" / "index.json").is_file()
+    assert make_dm(data_dir, val_fraction=0.5).shards_path() != dm.shards_path()
 
 
 def test_val_batches_deterministic_and_seed_independent(data_dir: Path) -> None:
@@ -536,9 +508,9 @@ def test_val_dp_slicing_matches_single_rank(data_dir: Path) -> None:
 def test_val_fraction_zero_disables_validation(data_dir: Path) -> None:
     dm = make_dm(data_dir, val_fraction=0)
     dm.setup("fit")
-    assert dm.val_corpus is None and dm.train_corpus == dm.corpus and dm.val_dataset is None
-    assert dm.val_dataloader() == [] and dm.val_cache_path is None
-    assert dm.cache_path != make_dm(data_dir)._cache_path("train")  # train set differs -> other cache
+    assert dm.val_corpus is None and dm.train_corpus == dm.corpus and dm.val_split is None
+    assert dm.val_dataloader() == [] and not (dm.shards_path() / "val").exists()
+    assert dm.shards_path() != make_dm(data_dir).shards_path()  # train set differs -> other shards
 
 
 class _TinyValLM(_TinyLM):

@@ -1,12 +1,18 @@
-"""Data pipeline: corpora, tokenizers and the pre-training ``LightningDataModule``."""
+"""Data pipeline: documents -> prepared token shards -> one global order -> each rank's micro-batches.
 
+Modules, in data-flow order: ``corpus`` and ``tokenizers`` (documents), ``prepare`` (shards and
+their manifest), ``shards`` (reading a split, local or S3), ``sources`` (checked config), ``order``
+(one source's sample order), ``mixture`` (per-batch source counts), ``batches`` (global batches
+and rank slices), ``datamodule`` (the Lightning face). Design notes: ``docs/data.md``.
+"""
+
+from lit_titan.data.batches import GlobalBatches, RankMicroBatches, StepSampler
 from lit_titan.data.corpus import Corpus, load_corpus, split_corpus, stdlib_corpus, text_corpus
-from lit_titan.data.datamodule import (
-    DataParallelStreamingDataLoader,
-    DataParallelStreamingDataset,
-    PretrainDataModule,
-    build_token_cache,
-)
+from lit_titan.data.datamodule import PretrainDataModule
+from lit_titan.data.mixture import Blend
+from lit_titan.data.order import SourceOrder
+from lit_titan.data.prepare import prepare_shards
+from lit_titan.data.shards import ShardSplit
 from lit_titan.data.tokenizers import (
     EOS_TOKEN,
     HFTokenizer,
@@ -18,15 +24,19 @@ from lit_titan.data.tokenizers import (
 
 __all__ = [
     "EOS_TOKEN",
+    "Blend",
     "Corpus",
-    "DataParallelStreamingDataLoader",
-    "DataParallelStreamingDataset",
+    "GlobalBatches",
     "HFTokenizer",
     "PretrainDataModule",
+    "RankMicroBatches",
+    "ShardSplit",
+    "SourceOrder",
+    "StepSampler",
     "Tokenizer",
-    "build_token_cache",
     "build_tokenizer",
     "load_corpus",
+    "prepare_shards",
     "split_corpus",
     "stdlib_corpus",
     "text_corpus",

@@ -133,6 +133,14 @@ def _bounded(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
         yield text
 
 
+def bpe_tokenizer_path(
+    texts_or_files: Any, vocab_size: int, cache_dir: str | os.PathLike[str], max_train_bytes: int = 4_000_000
+) -> Path:
+    """Where :func:`train_bpe_tokenizer` caches the tokenizer for these inputs (without training it)."""
+    key = hashlib.sha256(f"bpe-v1:{_inputs_key(texts_or_files)}:{vocab_size}:{max_train_bytes}".encode()).hexdigest()
+    return Path(cache_dir) / f"bpe-{vocab_size}-{key[:16]}" / "tokenizer.json"
+
+
 def train_bpe_tokenizer(
     texts_or_files: Any,
     vocab_size: int,
@@ -154,8 +162,7 @@ def train_bpe_tokenizer(
             f"BPE vocab_size={vocab_size} is too small for a byte-level BPE; "
             f"set data.tokenizer.vocab_size >= {MIN_BPE_VOCAB}."
         )
-    key = hashlib.sha256(f"bpe-v1:{_inputs_key(texts_or_files)}:{vocab_size}:{max_train_bytes}".encode()).hexdigest()
-    out = Path(cache_dir) / f"bpe-{vocab_size}-{key[:16]}" / "tokenizer.json"
+    out = bpe_tokenizer_path(texts_or_files, vocab_size, cache_dir, max_train_bytes)
     if out.is_file():
         return HFTokenizer(out)
     if not allow_train:
