@@ -369,8 +369,10 @@ class PretrainDataModule(L.LightningDataModule):
         return self._loader(dataset, _Fixed(range(steps)))
 
     def _loader(self, dataset: RankMicroBatches, sampler: Any) -> DataLoader:
+        # Persistent workers: the sampler (and so the order) lives in this process, and a spawned
+        # worker (remote data) costs seconds of imports, which a new epoch should not pay again.
         return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
-                          pin_memory=self._pin_memory(), persistent_workers=False,
+                          pin_memory=self._pin_memory(), persistent_workers=self.num_workers > 0,
                           multiprocessing_context="spawn" if self.num_workers and is_remote(
                               self.train_splits[0].root) else None)
 
