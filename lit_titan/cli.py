@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": "lit_titan.plan",
-            "launch": "lit_titan.launch", "export": "lit_titan.export"}
+            "launch": "lit_titan.launch", "export": "lit_titan.export", "report": "lit_titan.report"}
 
 
 def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseException], ...]) -> None:

@@ -82,6 +82,7 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     if int(cfg.trainer.max_steps) < 1:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
     _validate_fault(cfg, world_size(cfg))
+    _validate_profiler(cfg)
     dims = parallel_dims(cfg)
     _validate_grad_reduce_scatter(cfg, dims)
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=seq_len,
@@ -97,6 +98,20 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
             raise LayoutError(f"validation under parallel.pp_schedule={cfg.parallel.pp_schedule} fails in torch's "
                               f"schedule eval (torch 2.14); set trainer.limit_val_batches=0 or use Interleaved1F1B")
     return args, dims
+
+
+def _validate_profiler(cfg: DictConfig) -> None:
+    """A profiler window outside the run's steps is refused before anything is built."""
+    from lit_titan.callbacks.profiler import profile_windows
+
+    for node in (cfg.get("callbacks") or {}).values():
+        if str(node.get("_target_", "")).endswith(".Profiler"):
+            steps = node.get("steps")
+            try:
+                profile_windows(int(cfg.trainer.max_steps), list(steps) if steps is not None else None,
+                                node.get("every_n_steps"), int(node.get("active", 2)))
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
 
 
 def _validate_fault(cfg: DictConfig, world: int) -> None:

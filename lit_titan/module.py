@@ -23,10 +23,14 @@ from torch import Tensor, nn
 from lit_titan.log_cadence import forget_logged, is_logging_step
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.optim import OptimConfig, build_optimizer, build_scheduler
+from lit_titan.observe.phases import PhaseClock, phase
 from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_norm
 
 
 class PretrainModule(L.LightningModule):
+    # Set by the Timeline callback while training; gradient clipping reports its time to it.
+    phase_clock: PhaseClock | None = None
+
     def __init__(
         self,
         model: str = "llama3_debug",
@@ -146,9 +150,10 @@ class PretrainModule(L.LightningModule):
         ``self.log`` makes. Other steps issue no collective and read nothing back to the host.
         """
         grads_owner = self.trainer.strategy
-        self._last_grad_norm = total_grad_norm(
-            list(self.parameters()), pp_group=getattr(grads_owner, "pp_group", None)
-        )
+        with phase(self, "grad_clip"):
+            self._last_grad_norm = total_grad_norm(
+                list(self.parameters()), pp_group=getattr(grads_owner, "pp_group", None)
+            )
         if is_logging_step(self.trainer, self.global_step + 1):
             step_loss = self._step_loss / max(self._micro_batches, 1)
             self.log("train/loss", step_loss, sync_dist=True, prog_bar=True, on_step=True, on_epoch=False)
@@ -174,7 +179,8 @@ class PretrainModule(L.LightningModule):
         if gradient_clip_algorithm not in (None, "norm"):
             raise ValueError("PretrainModule clips by norm only; set trainer.gradient_clip_algorithm=norm")
         params = [p for p in self.parameters() if p.grad is not None]
-        clip_grads_with_norm_(params, gradient_clip_val, self._last_grad_norm)
+        with phase(self, "grad_clip"):
+            clip_grads_with_norm_(params, gradient_clip_val, self._last_grad_norm)
 
     # ---- helpers --------------------------------------------------------------------------------
     def _tokens_per_step_accumulate(self, inputs: Tensor) -> None:

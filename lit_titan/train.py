@@ -156,6 +156,9 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     if resume:
         archive_metrics(run_dir)
+    from lit_titan.observe import flight_recorder
+
+    flight_recorder.enable(int(cfg.cluster.get("flight_recorder_entries", 0) or 0), run_dir / "hang")
 
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     datamodule = _instantiate(cfg.data, data_dir=os.path.expanduser(str(cfg.data.data_dir)),

@@ -114,6 +114,17 @@ def test_watchdog_fires_on_a_hang_in_a_two_process_run(tmp_path):
         assert info["rank"] == r and info["global_step"] == 2 and info["last_progress"] == "train batch end"
         assert timeout_s < info["seconds_since_progress"] < timeout_s + 5
         assert f"lit-titan watchdog: rank {r} made no progress" in proc.stderr
+    # The flight recorder (issue 19 item 4): each rank's buffer of collectives, and its newest ones.
+    last = {}
+    for r in (0, 1):
+        info = json.loads((hang / f"rank{r}.json").read_text())
+        trace = json.loads((hang / f"fr-trace-rank{r}.json").read_text())
+        assert info["flight_recorder"] == str(hang / f"fr-trace-rank{r}.json") and trace["entries"]
+        last[r] = info["last_collectives"][-1]
+        assert last[r]["collective_seq_id"] == trace["entries"][-1]["collective_seq_id"]
+    # rank 0 entered a collective (an all-gather of step 3's forward) that rank 1 never reached
+    assert last[0]["collective_seq_id"] > last[1]["collective_seq_id"], last
+    assert "all_gather" in last[0]["profiling_name"] or "allgather" in last[0]["profiling_name"], last
     assert elapsed < 200, f"the hung job took {elapsed:.0f} s to exit"
 
 

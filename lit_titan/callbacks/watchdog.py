@@ -7,8 +7,11 @@ this rank last made progress (a training or validation batch finished, a checkpo
 or someone called :meth:`Watchdog.beat`). After ``timeout_s`` without progress it
 
 1. writes every thread's Python stack of this rank to ``<run_dir>/hang/stacks-rank<R>.txt``
-   (``faulthandler.dump_traceback(all_threads=True)`` plus the same stacks with source lines)
-   and a small ``<run_dir>/hang/rank<R>.json`` (step, last progress, seconds since, pid, host);
+   (``faulthandler.dump_traceback(all_threads=True)`` plus the same stacks with source lines),
+   the c10d flight recorder's buffer of this rank's last collectives (``fr-trace-rank<R>.json``
+   on gloo, ``nccl-trace-rank<R>.pickle`` on NCCL; :mod:`lit_titan.observe.flight_recorder`)
+   and a small ``<run_dir>/hang/rank<R>.json`` (step, last progress, seconds since, pid, host,
+   the newest collectives: compare them across ranks to see who is missing from which one);
 2. prints one line to stderr;
 3. waits ``exit_delay_s`` (so that peers stuck in the same collective dump their stacks before
    this rank's exit breaks their connections), then ``os._exit(WATCHDOG_EXIT_CODE)``.
@@ -245,9 +248,13 @@ class Watchdog(L.Callback):
             for ident, frame in sys._current_frames().items():
                 f.write(f"\n## thread {ident:#x} ({names.get(ident, '?')})\n")
                 f.write("".join(traceback.format_stack(frame)))
+        from lit_titan.observe import flight_recorder
+
+        trace, last = flight_recorder.dump(self.hang_dir, self.rank)
         info = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "global_step": step,
                 "last_progress": what, "seconds_since_progress": round(idle, 3), "timeout_s": self._deadline(),
-                "exit_code": self.exit_code, "stacks": str(stacks), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                "exit_code": self.exit_code, "stacks": str(stacks), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "flight_recorder": str(trace) if trace else None, "last_collectives": last}
         (self.hang_dir / f"rank{self.rank}.json").write_text(json.dumps(info, indent=1) + "\n")
         return stacks
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from lit_titan.checkpoint import CheckpointWriter, load_sharded
 from lit_titan.log_cadence import amortise_sigterm_check, is_logging_step
+from lit_titan.observe.phases import phase
 from lit_titan.strategies.context_parallel import ContextParallel
 from lit_titan.strategies.fsdp import (
     GRAD_REDUCE_SCATTER,
@@ -466,8 +467,9 @@ class TitanStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        self.checkpoint_writer.save(state, checkpoint, path, rank=self.global_rank, world_size=self.world_size,
-                                    barrier=self.barrier)
+        with phase(self.lightning_module, "checkpoint"):  # the part that blocks training (staging)
+            self.checkpoint_writer.save(state, checkpoint, path, rank=self.global_rank, world_size=self.world_size,
+                                        barrier=self.barrier)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The live sharded model state, not Lightning's CPU copy (``cpu_offload=True``).
