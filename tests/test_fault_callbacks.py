@@ -152,7 +152,7 @@ def test_straggler_report_and_nonfinite_skip_in_a_two_process_run(tmp_path):
     parameter shard and optimizer state untouched while step 4 changed them, and training finishes.
     """
     proc = run_job([sys.executable, str(SCRIPTS / "fault_job.py"), "straggle", *TWO_RANKS, "trainer.max_steps=8",
-                    "callbacks=[straggler,nonfinite]", "callbacks.straggler.every_n_steps=4",
+                    "callbacks=[straggler,nonfinite,timeline]", "callbacks.straggler.every_n_steps=4",
                     f"run_dir={tmp_path}"], timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(tmp_path)
@@ -163,6 +163,8 @@ def test_straggler_report_and_nonfinite_skip_in_a_two_process_run(tmp_path):
         assert float(r["straggler/ratio_to_median"]) > 1.2
         assert float(r["straggler/slowest_step_s"]) > float(r["straggler/median_step_s"]) + 0.15
     assert proc.stderr.count("lit-titan straggler: rank 1 is the slowest") == 2
+    # with the timeline, the warning says where: rank 1's sleep is before its forward, i.e. data wait
+    assert proc.stderr.count("timeline: its phase furthest over the median is data") == 2, proc.stderr[-3000:]
 
     skipped = [float(r["train/skipped_steps"]) for r in rows if r.get("train/skipped_steps")]
     assert skipped == [0.0] * 5 + [1.0] * 3

@@ -20,8 +20,9 @@ collective of the step and spreads over all ranks alike; finding it needs per-co
 
 Every ``every_n_steps`` optimizer steps (at the first logging step from there, see
 ``trainer.log_every_n_steps``: the gather reads its result back to the host), all ranks all-gather (world group, strategy device: CUDA
-for NCCL, CPU for gloo) three numbers over the window -- mean ``step_s``, mean ``outside_s``,
-number of steps -- and log, from every rank alike (the gathered values are identical):
+for NCCL, CPU for gloo) numbers over the window -- mean ``step_s``, mean ``outside_s``,
+number of steps, and with the :class:`~lit_titan.callbacks.Timeline` callback each phase's mean
+seconds (so the warning says in which phase the slowest rank loses its time) -- and log, from every rank alike (the gathered values are identical):
 ``straggler/slowest_rank``, ``straggler/slowest_step_s``, ``straggler/median_step_s``,
 ``straggler/ratio_to_median`` (of ``own_s``). When the ratio exceeds ``warn_ratio``, rank 0 prints
 one warning line. The report step is decided from ``global_step`` alone, so every rank calls the
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from lit_titan.log_cadence import forget_logged, is_logging_step
+from lit_titan.observe.phases import PHASES
 
 __all__ = ["StragglerReport", "straggler_stats"]
 
@@ -82,6 +84,7 @@ class StragglerReport(L.Callback):
         self._t_batch_start: float | None = None
         self._t_forward: float | None = None  # this batch entered the module's forward
         self._due = False  # every_n_steps reached; report at the next logging step
+        self._timeline_seen = 0  # Timeline rows already summarised
         self._reset_window()
 
     # ---- Lightning hooks ------------------------------------------------------------------------
@@ -157,9 +160,28 @@ class StragglerReport(L.Callback):
         self._t_batch_start = self._t_forward = None
         self._outside = 0.0
 
+    def _timeline_phases(self, trainer: L.Trainer) -> list[float]:
+        """Mean seconds per phase over the timeline rows written since the last report (zeros without one).
+
+        With the Timeline callback (on by default) the report says *where* the slowest rank's time
+        goes, not only that it is slow. On GPU its rows arrive a few steps late; they are as recent
+        as the timeline has them.
+        """
+        from lit_titan.callbacks.timeline import Timeline
+
+        timeline = next((cb for cb in trainer.callbacks if isinstance(cb, Timeline)), None)
+        if timeline is None:
+            return [0.0] * len(PHASES)
+        rows = timeline.rows[self._timeline_seen:]
+        self._timeline_seen = len(timeline.rows)
+        if not rows:
+            return [0.0] * len(PHASES)
+        return [sum(r[f"{p}_s"] for r in rows) / len(rows) for p in PHASES]
+
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         n = self._n
-        local = torch.tensor([self._sum_step / max(n, 1), self._sum_outside / max(n, 1), float(n)],
+        local = torch.tensor([self._sum_step / max(n, 1), self._sum_outside / max(n, 1), float(n),
+                              *self._timeline_phases(trainer)],
                              dtype=torch.float64, device=trainer.strategy.root_device)
         self._reset_window()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -168,12 +190,15 @@ class StragglerReport(L.Callback):
         else:
             gathered = [local]
         rows = torch.stack(gathered).cpu().tolist()
+        phases = [dict(zip(PHASES, r[3:])) for r in rows]
+        rows = [r[:3] for r in rows]
         if any(count == 0 for _, _, count in rows):
             return  # a rank measured no step in this window (first window, validation, saves)
         step_s = [r[0] for r in rows]
         outside_s = [r[1] for r in rows]
         stats = straggler_stats(step_s, outside_s)
-        self.last = {**stats, "global_step": trainer.global_step, "step_s": step_s, "outside_s": outside_s}
+        self.last = {**stats, "global_step": trainer.global_step, "step_s": step_s, "outside_s": outside_s,
+                     "phases": phases}
         for key, value in stats.items():
             pl_module.log(f"straggler/{key}", value, on_step=True, on_epoch=False)
         self._logged = True
@@ -184,4 +209,14 @@ class StragglerReport(L.Callback):
                 f"(to global_step {trainer.global_step}): {stats['slowest_step_s']:.3f} s/step vs median "
                 f"{stats['median_step_s']:.3f} s ({stats['ratio_to_median']:.2f}x > warn_ratio {self.warn_ratio:g}); "
                 f"it spends {outside_s[slowest]:.3f} s/step outside the model (data loading, host work) vs "
-                f"{statistics.median(outside_s):.3f} s median")
+                f"{statistics.median(outside_s):.3f} s median{_phase_excess(phases, slowest)}")
+
+
+def _phase_excess(phases: list[dict[str, float]], rank: int) -> str:
+    """"; timeline: most over the median in <phase> (+X s/step)" for ``rank``, or "" without a timeline."""
+    if not any(any(p.values()) for p in phases):
+        return ""
+    excess = {name: phases[rank][name] - statistics.median(p[name] for p in phases) for name in PHASES}
+    name = max(excess, key=excess.get)
+    return (f"; timeline: its phase furthest over the median is {name} (+{excess[name]:.3f} s/step, "
+            f"{phases[rank][name]:.3f} vs {statistics.median(p[name] for p in phases):.3f} s)")

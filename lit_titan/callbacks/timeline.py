@@ -8,10 +8,10 @@ CPU: the process's peak RSS so far). The phases add up to the wall time.
 
 Phases and the hooks that bound them:
 
-- ``data``: end of the previous batch to the start of this one (the loader's wait and Lightning's
-  loop), without ``checkpoint``: the blocking part of a save made after the previous step, which
-  therefore shows in the row *after* the step that saved;
-- ``forward``: batch start to ``on_before_backward``; ``backward``: to ``on_after_backward``
+- ``data``: end of the previous batch to the module's forward (the loader's wait, Lightning's loop
+  and batch-start hooks), without ``checkpoint``: the blocking part of a save made after the
+  previous step, which therefore shows in the row *after* the step that saved;
+- ``forward``: the module's forward to ``on_before_backward``; ``backward``: to ``on_after_backward``
   (summed over the micro-batches of an accumulation window); under pipeline parallelism the
   schedule runs both inside ``training_step``, so that time is ``pipeline``;
 - ``grad_clip``: the global gradient norm and clipping (in the module), inside ``optimizer``:
@@ -70,6 +70,7 @@ class Timeline(L.Callback):
                 csv.writer(f).writerow(TIMELINE_COLUMNS)
         for optimizer in trainer.optimizers:
             self._hooks.append(optimizer.register_step_post_hook(self._after_optimizer_step))
+        self._hooks.append(pl_module.register_forward_pre_hook(self._on_forward))
         self._prev_global_step = trainer.global_step
         self._reset_peak(device)
         self.clock.start()
@@ -77,13 +78,20 @@ class Timeline(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self.clock is None:
-            return
-        self.clock.end("data")
-        self.clock.begin("pipeline" if self._pipeline else "forward")
+        # "data" runs on to the module's forward (host work in batch-start hooks counts as waiting,
+        # as in the straggler report); the pipeline schedule calls its stages instead: start here.
+        if self.clock is not None and self._pipeline:
+            self.clock.end("data")
+            self.clock.begin("pipeline")
+
+    def _on_forward(self, module: Any, args: Any) -> None:
+        if self.clock is not None and module.training and self.clock.is_open("data"):
+            self.clock.end("data")
+            self.clock.begin("forward")
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         if self.clock is not None and not self._pipeline:
+            self.clock.end("data")  # a training_step that bypassed the module's forward (no hook)
             self.clock.end("forward")
             self.clock.begin("backward")
 
