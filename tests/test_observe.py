@@ -191,3 +191,23 @@ def test_the_report_renders_in_headless_chromium(observed_run, tmp_path):
                          timeout=120).stdout
     assert dom.count("<svg") >= 9 and "series:train/loss" in dom
     assert shot.stat().st_size > 50_000  # a page of plots, not a blank one
+
+
+# ---- the CUDA side (runs where a GPU is; skipped on CPU) ---------------------------------------------
+@pytest.mark.gpu
+def test_cuda_timeline_events_and_memory_snapshot(tmp_path):
+    """One GPU: CUDA-event phases, the allocator's peaks, and the window's memory snapshot."""
+    run_dir = tmp_path / "gpu"
+    proc = run_job([sys.executable, "-m", "lit_titan.train", *TINY, "cluster=gpu_1", "trainer.max_steps=6",
+                    "trainer.log_every_n_steps=1", "callbacks=[throughput,timeline,profiler]",
+                    "callbacks.profiler.steps=[3,4]", f"run_dir={run_dir}"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _timeline(run_dir, 0)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
+    for r in rows:
+        assert sum(r[f"{p}_s"] for p in PHASES) + r["other_s"] == pytest.approx(r["wall_s"], rel=1e-3, abs=1e-4)
+        assert r["forward_s"] > 0 and r["peak_reserved_mib"] >= r["peak_mem_mib"] > 0
+    assert (run_dir / "profile" / "step-000003" / "rank-0.memory.pickle").stat().st_size > 0
+    names = {e.get("name", "") for e in json.loads(gzip.decompress(
+        (run_dir / "profile" / "step-000003" / "rank-0.json.gz").read_bytes()))["traceEvents"]}
+    assert NAMED <= names
