@@ -102,7 +102,10 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     print(f"lit-titan: sweep job {hc.job.num}: {' '.join(hc.overrides.task)} -> {cfg.run_dir}", flush=True)
     if os.environ.get("SUBMITIT_EXECUTOR"):  # one task of a submitit job = one rank
         _slurm_env_from_submitit_local()
-        return train(cfg)
+        summary = train(cfg)
+        print(f"lit-titan: task {os.environ.get('SLURM_PROCID')} of {os.environ.get('SLURM_NTASKS')} trained under "
+              f"{summary.get('cluster_environment')}", flush=True)
+        return summary
     if world_size(cfg) > 1:  # Lightning issue 11300: several processes -> a fresh process group of its own
         return _run_point_in_subprocess(list(hc.overrides.task), Path(cfg.run_dir))
     saved = os.environ.get(RUN_DIR_ENV)
