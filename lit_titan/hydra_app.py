@@ -278,7 +278,7 @@ class _one_line_errors:
             key = missing.group(1)
             return (f"{key} is not a config key (override {_override_of(self.overrides, key)!r}); check its spelling "
                     f"(python -m lit_titan.train --cfg job lists every key) or add a new key with +{key}=VALUE")
-        group = re.search(r"Could not find '([^']+)'", text)
+        group = re.search(r"Could not (?:find|load) '([^']+)'", text)
         if group:
             name = group.group(1)
             parent = name.rsplit("/", 1)[0]
