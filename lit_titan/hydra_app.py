@@ -139,7 +139,7 @@ def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> None
             raise ConfigError(f"{sweeps[0]} lists several values: add -m (--multirun) to run one job per value")
         points = [[o.input_line for o in job]]
     for point in points:
-        with _one_line_errors(hydra, [*own, *point]):
+        with _one_line_errors(hydra, [*overrides, *own, *point]):  # the user's own spelling first
             full = hydra.compose_config(config_name=config_name, overrides=[*own, *point], run_mode=mode,
                                         with_log_configuration=False)
         launcher = OmegaConf.create(OmegaConf.to_container(full.hydra.launcher, resolve=True)) \
