@@ -101,7 +101,7 @@ def test_info_and_help_from_the_command_line(tmp_path):
      "= 1 ranks but the layout needs cluster.num_nodes x cluster.devices = 2"),
     (["hydra/launcher=submitit_slurm", "cluster=h100_8", "cluster.devices=16"], "cluster.gpus_per_node=8"),
     (["hydra/launcher=submitit_local", "cluster.num_nodes=2"], "submitit_local runs one node"),
-    (["-m", "cluster.devices=1,3", "parallel.tp=2"], "cluster.devices"),  # every point is checked first
+    (["-m", "cluster.devices=2,3", "parallel.tp=2"], "cluster.devices"),  # every point is checked, not only the first
 ])
 def test_bad_launch_input_is_one_line_naming_the_setting(argv, needle, tmp_path):
     with pytest.raises((ConfigError, ValueError)) as err:
