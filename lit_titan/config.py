@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.resources
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ from lit_titan.models.llama3 import ModelArgs, get_flavor
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 
-LOGGERS = ("csv", "tensorboard", "wandb")
+RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
                   "max_seq_len")
@@ -22,6 +24,32 @@ MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn
 def conf_dir() -> Path:
     """``conf/`` of the repository, or of the installed wheel (package ``lit_titan.conf``)."""
     return Path(str(importlib.resources.files("lit_titan.conf")))
+
+
+def default_run_dir(run_dir: str | None, model_name: str) -> str:
+    """``run_dir``, else the one the launching process chose (LIT_TITAN_RUN_DIR), else runs/<model>-<stamp>.
+
+    The stamp is torchrun's run id when there is one, so every rank of a torchrun job agrees on it;
+    children Lightning starts inherit LIT_TITAN_RUN_DIR from the parent.
+    """
+    if run_dir:
+        return str(run_dir)
+    if os.environ.get(RUN_DIR_ENV):
+        return os.environ[RUN_DIR_ENV]
+    stamp = os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
+    return str(Path("runs") / f"{model_name}-{stamp}")
+
+
+def _register_resolvers() -> None:
+    """Resolvers conf/train.yaml's ``hydra:`` node uses: Hydra's run/sweep directory *is* ``run_dir``."""
+    OmegaConf.register_new_resolver("lit_titan.run_dir", default_run_dir, replace=True, use_cache=True)
+    # use_cache: Hydra copies the cache to every sweep point, so all points agree on the stamp.
+    OmegaConf.register_new_resolver(
+        "lit_titan.sweep_dir", lambda run_dir: str(run_dir) if run_dir else
+        str(Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"), replace=True, use_cache=True)
+
+
+_register_resolvers()
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "train") -> DictConfig:
@@ -65,8 +93,7 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         args = model_args(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    if cfg.logger.name not in LOGGERS:
-        raise ConfigError(f"unknown logger {cfg.logger.name!r}; choose logger=<one of {LOGGERS}>")
+    _validate_targets(cfg)
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision={cfg.precision!r} is not supported; choose one of {PRECISIONS}")
     seq_len = int(cfg.data.seq_len)
@@ -112,6 +139,37 @@ def _validate_profiler(cfg: DictConfig) -> None:
                                 node.get("every_n_steps"), int(node.get("active", 2)))
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+
+
+def _validate_targets(cfg: DictConfig) -> None:
+    """Every logger/callback/profiler node is a ``_target_`` node, so instantiate() cannot fail late on its shape."""
+    for group in ("logger", "callbacks"):
+        for name, node in (cfg.get(group) or {}).items():
+            if not isinstance(node, DictConfig) or "_target_" not in node:
+                raise ConfigError(f"{group}.{name} has no _target_; a {group} entry is a node like "
+                                  f"{{_target_: package.Class, ...}} (see conf/{group}/)")
+    profiler = cfg.get("profiler")
+    if profiler is not None and (not isinstance(profiler, DictConfig) or "_target_" not in profiler):
+        raise ConfigError("profiler has no _target_; use profiler=simple|advanced|pytorch or a node with _target_")
+
+
+def validate_launcher(cfg: DictConfig, launcher: DictConfig | None) -> None:
+    """A submitit job must request exactly the ranks the layout needs: nodes x tasks per node = world size."""
+    if launcher is None or "tasks_per_node" not in launcher:
+        return
+    nodes, tasks = int(launcher.nodes), int(launcher.tasks_per_node)
+    world = world_size(cfg)
+    if nodes * tasks != world:
+        raise ConfigError(f"hydra.launcher asks for {nodes} node(s) x {tasks} task(s) = {nodes * tasks} ranks but the "
+                          f"layout needs cluster.num_nodes x cluster.devices = {world}; drop the hydra.launcher.nodes/"
+                          f"tasks_per_node overrides (the profile fills them) or change the cluster profile")
+    gpus = cfg.cluster.get("gpus_per_node")
+    if gpus is not None and cfg.cluster.accelerator in ("gpu", "cuda") and int(cfg.cluster.devices) > int(gpus):
+        raise ConfigError(f"cluster.devices={cfg.cluster.devices} ranks per node but the profile's nodes have "
+                          f"cluster.gpus_per_node={gpus}; set cluster.devices<={gpus} and raise cluster.num_nodes")
+    if "Local" in str(launcher.get("_target_", "")) and nodes != 1:
+        raise ConfigError(f"hydra/launcher=submitit_local runs one node, but cluster.num_nodes={nodes}; "
+                          f"set cluster.num_nodes=1 (or use hydra/launcher=submitit_slurm)")
 
 
 def _validate_fault(cfg: DictConfig, world: int) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,10 +14,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.checkpoint import CheckpointError
-from lit_titan.config import ConfigError, compose, model_overrides, to_yaml, validate
+from lit_titan.config import RUN_DIR_ENV, ConfigError, default_run_dir, model_overrides, to_yaml, validate
 from lit_titan.strategies.parallel_dims import LayoutError
 
-RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
 # Errors that mean "fix your input": printed as one line, no traceback, exit code 2.
 USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError, CheckpointError)
 
@@ -29,33 +27,31 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
     Child processes started by Lightning's launcher inherit the parent's environment, so the
     parent's choice travels to them through LIT_TITAN_RUN_DIR.
     """
-    if cfg.run_dir:
-        path = Path(str(cfg.run_dir))
-    elif os.environ.get(RUN_DIR_ENV):
-        path = Path(os.environ[RUN_DIR_ENV])
-    else:
-        stamp = os.environ.get("TORCHELASTIC_RUN_ID") or time.strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{cfg.model.name}-{stamp}"
-    path = path.expanduser().resolve()
+    path = Path(default_run_dir(cfg.run_dir, cfg.model.name)).expanduser().resolve()
     os.environ[RUN_DIR_ENV] = str(path)
     return path
 
 
 def is_launcher_rank_zero() -> bool:
-    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+    """Rank 0 of the job under torchrun, Lightning's launcher, or Slurm/submitit tasks (SLURM_PROCID)."""
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+    """The ``logger`` nodes (conf/logger/, or a user's ``_target_``) through hydra.utils.instantiate.
 
-    loggers: list = [CSVLogger(save_dir=str(run_dir), name="", version="")]
-    if cfg.logger.name == "tensorboard":
-        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
-    elif cfg.logger.name == "wandb":
-        if cfg.logger.get("offline", True):
-            os.environ.setdefault("WANDB_MODE", "offline")
-        loggers.append(WandbLogger(save_dir=str(run_dir), project=cfg.logger.get("project", "lit-titan"),
-                                   offline=bool(cfg.logger.get("offline", True))))
+    metrics.csv is part of the run's contract (docs, tests, the sweep summary read it), so a list
+    without a CSVLogger writing to run_dir gets one.
+    """
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers: list = []
+    for node in (cfg.get("logger") or {}).values():
+        if "Wandb" in str(node.get("_target_", "")) and node.get("offline", False):
+            os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network: `wandb sync` later
+        loggers.append(_instantiate(node))
+    if not any(isinstance(lg, CSVLogger) and Path(lg.log_dir).resolve() == run_dir for lg in loggers):
+        loggers.insert(0, CSVLogger(save_dir=str(run_dir), name="", version=""))
     return loggers
 
 
@@ -196,22 +192,22 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
         enable_progress_bar=t.enable_progress_bar, deterministic=t.deterministic,
         logger=build_loggers(cfg, run_dir), callbacks=all_callbacks, default_root_dir=str(run_dir),
         enable_checkpointing=False, use_distributed_sampler=False,  # Checkpointing replaces ModelCheckpoint
-        enable_model_summary=False,
+        enable_model_summary=False, profiler=_instantiate(cfg.profiler) if cfg.get("profiler") else None,
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     return summary.summary
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """The Hydra app (lit_titan/hydra_app.py): one run, a ``-m`` sweep, ``--cfg``, ``--info`` or ``--help``.
+
+    Callable from Python and notebooks with a list of overrides; returns the run summary ({} for a
+    sweep or a display command).
+    """
+    from lit_titan.hydra_app import run_app
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__.strip() + "\n\nConfig groups and defaults: conf/train.yaml; print the composed config "
-              "with: python -m lit_titan.train --cfg [overrides]")
-        return {}
-    if argv[:1] == ["--cfg"]:
-        print(to_yaml(compose(argv[1:])))
-        return {}
-    return train(compose(argv))
+    return run_app(argv)
 
 
 if __name__ == "__main__":

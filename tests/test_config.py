@@ -27,7 +27,8 @@ def test_documented_overrides_apply():
                    "run_dir=/tmp/x", "precision=bf16-mixed", "logger=tensorboard", "model.n_layers=2"])
     assert (cfg.trainer.max_steps, cfg.data.seq_len, cfg.data.global_batch_size) == (7, 128, 4)
     assert (cfg.seed, cfg.data.seed, cfg.run_dir, cfg.precision) == (5, 5, "/tmp/x", "bf16-mixed")
-    assert cfg.logger.name == "tensorboard" and cfg.optim.total_steps == 7
+    assert list(cfg.logger) == ["tensorboard"] and cfg.optim.total_steps == 7
+    assert cfg.logger.tensorboard._target_ == "lightning.pytorch.loggers.TensorBoardLogger"
     assert model_args(cfg).n_layers == 2
 
 

@@ -31,6 +31,8 @@ class RunSummary(L.Callback):
             "train_seconds": round(elapsed, 2),
             "tokens_per_second": round(steps * tokens_per_step / elapsed, 1) if elapsed > 0 else None,
             "run_dir": self.run_dir,
+            # which launcher Lightning recognised (SLURMEnvironment under Slurm/submitit, TorchElastic, ...)
+            "cluster_environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
         }
         s = self.summary
         rank_zero_info(
