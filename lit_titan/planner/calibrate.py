@@ -33,12 +33,12 @@ SKIP_STEPS = 2  # first steps: process start-up, allocator warm-up, compilation
 
 
 def load_calibration(path: str | Path) -> Efficiencies:
-    """Efficiencies from a calibration file: a path, or the name of one shipped in conf/calibration/."""
-    from lit_titan.config import conf_dir
-
+    """Efficiencies from a calibration file: a path, or the name of one shipped in
+    lit_titan/planner/calibrations/ (not under conf/: Hydra would take it for a config group)."""
     p = Path(path)
-    if not p.is_file() and (conf_dir() / "calibration" / f"{path}.yaml").is_file():
-        p = conf_dir() / "calibration" / f"{path}.yaml"
+    shipped = Path(__file__).parent / "calibrations" / f"{path}.yaml"
+    if not p.is_file() and shipped.is_file():
+        p = shipped
     if not p.is_file():
         raise ConfigError(f"plan.calibration={path}: no such file; write one with lit-titan plan calibrate=RUN_DIR")
     data = OmegaConf.to_container(OmegaConf.load(p), resolve=True)

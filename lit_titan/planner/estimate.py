@@ -180,6 +180,7 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
                 (t-1)/t * 2*s*b*h bytes over NVLink (or IB if the TP group spans nodes); exposed
     cp_comm   = K/V all-gather per block, forward + backward, exposed
     bubble    = (p-1)/(m*v + p-1) of the pipelined time;
+    share     = processes per node / cores_per_node when above 1 (CPU profiles): scales compute and overhead
     hsdp      = all-reduce of the gradient shards over dp_replicate (once per step), exposed
     step      = (max(compute, fsdp) + tp + cp) / (1 - bubble) + hsdp + optimizer + overhead
 
@@ -205,6 +206,9 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
     f8_flops = float8_flops_per_token(args) * tokens_step / dims.world_size if float8 else 0.0
     effective = rank_flops - f8_flops + f8_flops / eff.float8_linear_speedup
     compute_s = effective * recompute / (peak * eff.compute)
+    # CPU profiles: more processes per node than cores share them (cluster.cores_per_node)
+    share = max(float(cluster.get("devices") or 1) / float(cluster.get("cores_per_node") or 1e9), 1.0)
+    compute_s *= share
 
     dp_local = global_batch // dims.dp  # sequences per dp rank per step
     accumulation = max(dp_local // micro_batch, 1)
@@ -243,7 +247,7 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
     state_bytes = layout.local_param_bytes if precision != "bf16-true" else layout.local_numel * 2
     optimizer_s = (ADAMW_TENSOR_PASSES[optimizer] * state_bytes / hbm_bw
                    if hbm_bw and optimizer != "for_loop" else 0.0)
-    step_s = busy / (1 - bubble) + hsdp_s + optimizer_s + eff.overhead_s
+    step_s = busy / (1 - bubble) + hsdp_s + optimizer_s + eff.overhead_s * share
     mfu = rank_flops / (step_s * peak)
     return {"available": True, "step_s": step_s, "compute_s": compute_s, "fsdp_comm_s": fsdp_s, "tp_comm_s": tp_s,
             "cp_comm_s": cp_s, "hsdp_comm_s": hsdp_s, "overhead_s": eff.overhead_s,
