@@ -230,8 +230,8 @@ def test_search_puts_the_pipeline_across_a_slow_link():
         (r["tokens_per_sec_per_device"] for r in res["top"]), reverse=True)
     assert res["runner_up_lost"].startswith("runner-up ")
     # the same search with the inter-node link as fast as NVLink: nothing forces the pipeline, no bubble wins
-    fast = _search([*cluster[:-2], "cluster.inter_node_gbps=450", "cluster.fp8=false", "model=llama3_8b", "data.seq_len=2048",
-                    "data.global_batch_size=64"], confirm=0)
+    fast = _search([*cluster[:-2], "cluster.inter_node_gbps=450", "cluster.fp8=false", "model=llama3_8b",
+                    "data.seq_len=2048", "data.global_batch_size=64"], confirm=0)
     assert fast["winner"]["mesh"]["pp"] == 1, fast["winner"]["layout"]
 
 
