@@ -182,3 +182,150 @@ def _plan_examples(overrides: list[str], tmp_path: Path) -> dict:
     from lit_titan.plan import make_plan
 
     return make_plan([*overrides, f"run_dir={tmp_path / 'stock'}"], write=False)["per_rank"]["example_parameters"]
+
+
+# ---- search (issue 21) ------------------------------------------------------------------------------
+
+DEBUG_LAYOUTS = [dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B"), dict(pp=1, dp_shard=2, cp=2, tp=2),
+                 dict(pp=1, dp_replicate=2, dp_shard=2, tp=2), dict(pp=2, dp_shard=4, pp_schedule="1F1B")]
+
+
+@pytest.mark.parametrize("layout", DEBUG_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_analytic_layout_matches_the_meta_build(layout):
+    """The search's closed-form rank-0 layout equals what TitanStrategy.parallelize builds (fake PG, 8 ranks)."""
+    from lit_titan.config import compose, model_args, parallel_dims, pipeline_config
+    from lit_titan.planner.analytic import analytic_layout
+    from lit_titan.planner.build import build_layout
+
+    cfg = compose(["cluster.devices=8", "data.seq_len=64", "data.global_batch_size=16", "callbacks=[]",
+                   *(f"parallel.{k}={v}" for k, v in layout.items())])
+    args, dims = model_args(cfg), parallel_dims(cfg)
+    built = build_layout(cfg, args, dims, [])
+    ana = analytic_layout(args, dims, pipeline_config(cfg) if dims.pp > 1 else None, precision=str(cfg.precision))
+    for key in ("params_total", "local_numel", "local_param_bytes", "fsdp_applied", "layers_on_rank", "stage_ids",
+                "num_stages", "pp_rank_numel", "pp_rank_layers", "pp_rank_has_output", "largest_unit_numel"):
+        assert getattr(ana, key) == getattr(built, key), key
+
+
+def _search(overrides: list[str], **kw):
+    from lit_titan.config import compose
+    from lit_titan.planner.search import search
+
+    return search(compose(overrides), overrides, **kw)
+
+
+def test_search_puts_the_pipeline_across_a_slow_link():
+    """Constructed case with a known answer: 2 nodes x 2 GPUs joined by a link 10^4 x slower than NVLink,
+    memory to spare, many micro-batches. Pipeline parallelism is the only degree whose traffic (p2p) stays
+    off the per-block collectives, so the best layout is pp2 across the nodes with the data/tensor
+    parallelism inside each node; every layout that spans the nodes with FSDP/HSDP/TP/CP is slower."""
+    cluster = ["cluster=h100_8", "cluster.devices=2", "cluster.num_nodes=2", "cluster.gpus_per_node=2",
+               "cluster.inter_node_gbps=0.05", "cluster.fp8=false"]
+    res = _search([*cluster, "model=llama3_8b", "data.seq_len=2048", "data.global_batch_size=64"], confirm=1)
+    best = res["winner"]
+    assert best["mesh"]["pp"] == 2 and best["mesh"]["dp_replicate"] == 1, best["layout"]
+    assert best["confirmed"]["fits"] is True
+    assert res["fitting"] > 10 and len(res["top"]) == 10
+    assert [r["tokens_per_sec_per_device"] for r in res["top"]] == sorted(
+        (r["tokens_per_sec_per_device"] for r in res["top"]), reverse=True)
+    assert res["runner_up_lost"].startswith("runner-up ")
+    # the same search with the inter-node link as fast as NVLink: nothing forces the pipeline, no bubble wins
+    fast = _search([*cluster[:-2], "cluster.inter_node_gbps=450", "cluster.fp8=false", "model=llama3_8b",
+                    "data.seq_len=2048", "data.global_batch_size=64"], confirm=0)
+    assert fast["winner"]["mesh"]["pp"] == 1, fast["winner"]["layout"]
+
+
+def test_search_405b_on_512_cli(tmp_path):
+    """`lit-titan plan search=true` for Llama 3.1 405B on 512 H100s: < 60 s of CPU (the search, its three
+    confirming builds, and the interpreter's imports), a top-10 table and a winner command that composes."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = run_job([sys.executable, "-m", "lit_titan.plan", "search=true", "model=llama3_405b", "cluster=h100_512",
+                    "data.seq_len=8192", "data.global_batch_size=256", f"run_dir={tmp_path}"], cwd=ROOT, timeout=600)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert cpu < 60, f"search took {cpu:.1f} s of CPU ({wall:.1f} s wall)"
+    res = json.loads((tmp_path / "search.json").read_text())
+    assert len(res["top"]) == 10 and res["candidates"] > 1000
+    assert all(c["fits"] and c["param_bytes_built"] == c["param_bytes_analytic"] for c in res["confirmed"])
+    assert "winner: lit-titan train " in proc.stdout and "runner-up" in proc.stdout
+    from lit_titan.config import compose
+
+    compose(res["command"].split()[3:])  # the printed overrides compose
+
+
+def test_search_no_layout_fits_names_the_closest(tmp_path):
+    proc = run_job([sys.executable, "-m", "lit_titan.plan", "search=true", "model=llama3_405b", "cluster=h100_8",
+                    "data.seq_len=8192", "data.global_batch_size=8", f"run_dir={tmp_path}"], cwd=ROOT, timeout=300)
+    assert proc.returncode == 2
+    err = [line for line in proc.stderr.splitlines() if line.startswith("lit-titan: error:")]
+    assert len(err) == 1, proc.stderr[-2000:]
+    assert "closest is pp" in err[0] and "cluster.num_nodes" in err[0]
+
+
+# ---- calibration (issue 21) -------------------------------------------------------------------------
+
+def _fake_run(run_dir: Path, overrides: list[str], step_s: float, busy_s: float) -> None:
+    """A run directory as training writes it (config.yaml, timeline/rank-0.csv) with given step times."""
+    from lit_titan.callbacks.timeline import TIMELINE_COLUMNS
+    from lit_titan.config import compose, to_yaml
+
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(compose(overrides)))
+    (run_dir / "timeline").mkdir()
+    rows = [",".join(TIMELINE_COLUMNS)]
+    for step in range(1, 9):
+        vals = {"step": step, "wall_s": step_s * (5 if step == 1 else 1), "forward_s": busy_s / 2,
+                "backward_s": busy_s / 2}
+        rows.append(",".join(str(vals.get(c, 0)) for c in TIMELINE_COLUMNS))
+    (run_dir / "timeline" / "rank-0.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_calibration_round_trip(tmp_path):
+    """Step times generated by the model at known efficiencies -> calibrate -> the same efficiencies back,
+    written to a file that plan.calibration=FILE reads into the plan and the search."""
+    from lit_titan.config import compose
+    from lit_titan.plan import main, make_plan
+    from lit_titan.planner.calibrate import load_calibration, predict
+    from lit_titan.planner.estimate import Efficiencies
+
+    truth = Efficiencies(compute=0.05, comm=0.02, overhead_s=0.01)
+    layouts = {"dp2": ["cluster.devices=2"], "dp2tp2": ["cluster.devices=4", "parallel.tp=2"]}
+    base = ["model=llama3_debug", "data.seq_len=256", "data.global_batch_size=8"]
+    dirs = []
+    for name, ov in layouts.items():
+        step = predict(compose([*base, *ov]), truth)["step_s"]
+        _fake_run(tmp_path / name, [*base, *ov], step, step - truth.overhead_s)
+        dirs.append(str(tmp_path / name))
+    out = tmp_path / "cal.yaml"
+    cal = main([f"calibrate={','.join(dirs)}", f"plan.calibration={out}"])
+    eff = load_calibration(out)
+    assert cal["path"] == str(out)
+    assert eff.compute == pytest.approx(truth.compute, rel=0.06)  # the grid's step is 6%
+    assert eff.comm == pytest.approx(truth.comm, rel=0.06)
+    assert eff.overhead_s == pytest.approx(truth.overhead_s, rel=1e-6)
+    plan = make_plan([*base, "cluster.devices=2", f"plan.calibration={out}", f"run_dir={tmp_path / 'p'}"])
+    assert plan["assumptions"]["efficiencies"]["compute"] == eff.compute
+    assert plan["perf"]["step_s"] == pytest.approx(
+        predict(compose([*base, "cluster.devices=2"]), eff)["step_s"], rel=1e-9)
+    # the shipped TorchTitan calibration by name; a missing file is one clear line
+    assert load_calibration("h100_torchtitan_202412").float8_linear_speedup > 1
+    with pytest.raises(ValueError, match="plan.calibration=nope.yaml: no such file"):
+        make_plan(["plan.calibration=nope.yaml"], write=False)
+
+
+def test_published_comparison_table_is_pinned():
+    """docs/benchmarks.md's TorchTitan table is what lit_titan.planner.published computes today, and the
+    shipped calibration file holds the same fit (neither can drift silently)."""
+    from lit_titan.planner.calibrate import load_calibration
+    from lit_titan.planner.published import calibrate_8b, markdown_table
+
+    table = markdown_table()
+    assert table in (ROOT / "docs" / "benchmarks.md").read_text()
+    fit, shipped = calibrate_8b(), load_calibration("h100_torchtitan_202412")
+    assert shipped.compute == pytest.approx(fit.compute, rel=1e-9)
+    assert shipped.float8_linear_speedup == pytest.approx(fit.float8_linear_speedup, rel=1e-9)

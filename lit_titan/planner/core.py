@@ -55,7 +55,9 @@ def _instantiate_callbacks(cfg: DictConfig, reasons: list[str]) -> list:
     return out
 
 
-def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> dict[str, Any]:
+def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
+                       eff: estimate.Efficiencies | None = None) -> dict[str, Any]:
+    """The one-layout plan of ``cfg``; ``eff``: the step-time model's efficiencies (a calibration)."""
     from lit_titan.callbacks.throughput import flops_per_token
     from lit_titan.config import model_args, parallel_dims, world_size
     from lit_titan.planner.build import build_layout
@@ -108,48 +110,24 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> d
     accumulation = max(global_batch // (dims.dp * local_batch), 1)  # Lightning micro-batches per step
     grad_reduce_scatter = str(p.get("grad_reduce_scatter", "every_microbatch"))
 
-    # ---- memory of rank 0 (measured states + estimated activations and buffers) -----------------
-    state_elem = 2 if precision == "bf16-true" else layout.local_param_bytes // max(layout.local_numel, 1)
-    param_bytes = layout.local_numel * state_elem
-    grad_bytes = estimate.gradient_bytes(layout, dims, precision, param_bytes, accumulation=accumulation,
-                                         grad_reduce_scatter=grad_reduce_scatter)
-    optimizer_bytes = 2 * param_bytes  # AdamW: exp_avg and exp_avg_sq, same dtype as the parameter
-    buffers = estimate.fsdp_buffer_bytes(layout, dims, precision, reshard)
-
-    def acts(layers: int, has_output: bool) -> dict[str, Any]:
-        return estimate.activation_bytes(args, dims, seq_len=seq_len, micro_batch=micro, mode=layout.ac_mode,
-                                         every_n_layers=layout.ac_every_n_layers, layers_on_rank=layers,
-                                         has_output=has_output, pp_microbatches=pp_micro,
-                                         stages_per_rank=stages_per_rank)
-
-    act0 = acts(layout.layers_on_rank, layout.pp_rank_has_output[0])
-    total0 = param_bytes + grad_bytes + optimizer_bytes + act0["total"] + buffers
+    # ---- memory (measured states + estimated activations and buffers), estimate.rank_memory ------
+    mem = estimate.rank_memory(args, dims, layout, precision=precision, seq_len=seq_len, micro_batch=micro,
+                               pp_microbatches=pp_micro, stages_per_rank=stages_per_rank,
+                               accumulation=accumulation, reshard_after_forward=reshard,
+                               grad_reduce_scatter=grad_reduce_scatter)
+    param_bytes, grad_bytes, optimizer_bytes = mem["param_bytes"], mem["grad_bytes"], mem["optimizer_bytes"]
+    buffers, act0 = mem["fsdp_buffer_bytes"], mem["activation_detail"]
     plan["per_rank"] = {
         "rank": 0, "param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes,
-        "activation_bytes": act0["total"], "fsdp_buffer_bytes": buffers, "total_bytes": total0,
+        "activation_bytes": act0["total"], "fsdp_buffer_bytes": buffers, "total_bytes": mem["total_bytes"],
         "param_numel": layout.local_numel, "param_dtype": str(layout.param_dtype).replace("torch.", ""),
         "layers": layout.layers_on_rank, "stage_ids": layout.stage_ids, "activation_detail": act0,
         "example_parameters": layout.examples,
     }
-    # Other pipeline ranks: states scaled by their stages' parameter count (same FSDP/TP split as
-    # rank 0), activations by the first rank's in-flight count (an upper bound for later ranks),
-    # plus the loss buffers on the rank holding the output head.
-    per_pp = []
     if dims.pp > 1:
-        for r, (numel, layers, has_out) in enumerate(zip(layout.pp_rank_numel, layout.pp_rank_layers,
-                                                         layout.pp_rank_has_output)):
-            scale = numel / layout.pp_rank_numel[0]
-            a = acts(layers, has_out)["total"]
-            states = int((param_bytes + grad_bytes + optimizer_bytes) * scale)
-            per_pp.append({"pp_rank": r, "params_unsharded": numel, "layers": layers, "has_output": has_out,
-                           "state_bytes": states, "activation_bytes": a, "fsdp_buffer_bytes": int(buffers * scale),
-                           "total_bytes": int(states + a + buffers * scale)})
-        plan["per_pp_rank"] = per_pp
-        worst = max(per_pp, key=lambda d: d["total_bytes"])
-        plan["most_loaded_pp_rank"] = worst["pp_rank"]
-        plan["max_total_bytes"] = max(worst["total_bytes"], total0)
-    else:
-        plan["max_total_bytes"] = total0
+        plan["per_pp_rank"] = mem["per_pp_rank"]
+        plan["most_loaded_pp_rank"] = mem["most_loaded_pp_rank"]
+    plan["max_total_bytes"] = mem["max_total_bytes"]
 
     hbm, plan["hbm_source"] = hbm_gib(cluster)
     plan["hbm_bytes"] = int(hbm * GIB) if hbm else None
@@ -178,7 +156,8 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> d
         global_batch=global_batch, micro_batch=local_batch, pp_microbatches=pp_micro,
         stages_per_rank=stages_per_rank, ac_mode=layout.ac_mode, reshard_after_forward=reshard,
         precision=precision, grad_reduce_scatter=grad_reduce_scatter,
-        optimizer=_optimizer_implementation(cfg, cluster, layout))
+        optimizer=_optimizer_implementation(cfg, cluster, layout), float8=layout.float8_layers > 0,
+        eff=eff or estimate.DEFAULT_EFFICIENCIES)
     plan["gradients"] = {"accumulation": accumulation, "grad_reduce_scatter": grad_reduce_scatter,
                          "unsharded_between_micro_batches": grad_bytes > param_bytes}
     plan["transforms"] = {"activation_checkpointing": layout.ac_mode, "compile": layout.compiled,
@@ -187,12 +166,13 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> d
                          "num_stages": layout.num_stages} if dims.pp > 1 else None)
     plan["batch"] = {"global_batch_size": global_batch, "local_batch_size": local_batch, "micro_batch": micro,
                      "seq_len": seq_len}
+    e = eff or estimate.DEFAULT_EFFICIENCIES
     plan["assumptions"] = {
-        "compute_efficiency": estimate.COMPUTE_EFFICIENCY, "comm_efficiency": estimate.COMM_EFFICIENCY,
+        "compute_efficiency": e.compute, "comm_efficiency": e.comm, "efficiencies": e.as_dict(),
         "hbm_reserve_gib": HBM_RESERVE_GIB,
-        "hbm_efficiency": estimate.HBM_EFFICIENCY, "adamw_tensor_passes": estimate.ADAMW_TENSOR_PASSES,
+        "hbm_efficiency": e.hbm, "adamw_tensor_passes": estimate.ADAMW_TENSOR_PASSES,
         "bandwidth_units": "GB/s per GPU per direction (cluster.intra_node_gbps / inter_node_gbps)",
-        "not_modelled": "Float8 speed-up and FP8 all-gather savings, compile's memory savings, async TP, "
+        "not_modelled": "FP8 all-gather savings, compile's memory savings, async TP, "
                         "pipeline p2p, the optimizer step on the CPU (cpu_offload)",
     }
     return _finish(plan, t0)

@@ -29,6 +29,7 @@ micro-batches.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 GIB = 1024**3
@@ -46,6 +47,48 @@ HBM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for a streaming ele
 # an H100 (3.35 TB/s x 0.8) that is 20 vs 57 ms: 37 ms apart; issue 23 measured 34 ms (lit-titan) and
 # 37 ms (bare loop) between the two kernels.
 ADAMW_TENSOR_PASSES = {"fused": 7, "foreach": 20, "for_loop": 20}
+
+
+@dataclass(frozen=True)
+class Efficiencies:
+    """The step-time model's free parameters: defaults are assumptions, a calibration file replaces them.
+
+    ``float8_linear_speedup``: how much faster the block Linears' matmuls run under Float8 than in
+    bf16 (1.0: not modelled). ``overhead_s``: fixed per-step host time (Lightning's loop, hooks,
+    logging; dominant for tiny CPU models, negligible at fleet scale). ``source`` says where they came from.
+    """
+
+    compute: float = COMPUTE_EFFICIENCY
+    comm: float = COMM_EFFICIENCY
+    hbm: float = HBM_EFFICIENCY
+    float8_linear_speedup: float = 1.0
+    overhead_s: float = 0.0
+    source: str = "defaults (lit_titan/planner/estimate.py)"
+
+    def with_(self, **kw: Any) -> Efficiencies:
+        return replace(self, **kw)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEFAULT_EFFICIENCIES = Efficiencies()
+
+
+def peak_flops(cluster: dict[str, Any], precision: str) -> float:
+    """Peak FLOP/s per device for the run's matmul dtype: ``peak_fp32_tflops`` under 32-true when the
+    profile has it (CPU profiles measure it), else ``peak_bf16_tflops``."""
+    if precision == "32-true" and cluster.get("peak_fp32_tflops"):
+        return float(cluster["peak_fp32_tflops"]) * 1e12
+    return float(cluster.get("peak_bf16_tflops") or 0) * 1e12
+
+
+def float8_flops_per_token(args) -> float:
+    """Training FLOPs per token of the transformer blocks' Linears, the ones Float8 converts
+    (the output head stays bf16, as in TorchTitan and lit_titan.callbacks.Float8)."""
+    h, hd, f = args.dim, args.head_dim, args.ffn_hidden_dim
+    linear = h * args.n_heads * hd * 2 + h * args.kv_heads * hd * 2 + 3 * h * f
+    return 6.0 * args.n_layers * linear
 
 
 def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str) -> float:
@@ -123,7 +166,8 @@ def gradient_bytes(layout, dims, precision: str, sharded_bytes: int, *, accumula
 def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: int, global_batch: int,
               micro_batch: int, pp_microbatches: int, stages_per_rank: int, ac_mode: str,
               reshard_after_forward: bool, precision: str, grad_reduce_scatter: str = "every_microbatch",
-              optimizer: str = "fused") -> dict[str, Any]:
+              optimizer: str = "fused", float8: bool = False,
+              eff: Efficiencies = DEFAULT_EFFICIENCIES) -> dict[str, Any]:
     """A deliberately simple bound: compute, exposed communication, pipeline bubble.
 
     compute   = model FLOPs of the rank's share of the step * recompute factor / (peak * efficiency)
@@ -136,24 +180,35 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
                 (t-1)/t * 2*s*b*h bytes over NVLink (or IB if the TP group spans nodes); exposed
     cp_comm   = K/V all-gather per block, forward + backward, exposed
     bubble    = (p-1)/(m*v + p-1) of the pipelined time;
-    step      = (max(compute, fsdp) + tp + cp) / (1 - bubble) + optimizer
+    share     = processes per node / cores_per_node when above 1 (CPU profiles): scales compute and overhead
+    hsdp      = all-reduce of the gradient shards over dp_replicate (once per step), exposed
+    step      = (max(compute, fsdp) + tp + cp) / (1 - bubble) + hsdp + optimizer + overhead
+
+    The efficiencies (compute, comm, hbm, Float8 speed-up, overhead) come from ``eff``: the defaults
+    or a calibration file (lit_titan/planner/calibrate.py).
     """
-    peak = float(cluster.get("peak_bf16_tflops") or 0) * 1e12
+    peak = peak_flops(cluster, precision)
     intra = float(cluster.get("intra_node_gbps") or 0) * 1e9
     inter = float(cluster.get("inter_node_gbps") or 0) * 1e9
     per_node = int(cluster.get("gpus_per_node") or cluster.get("devices") or 1)
     if not peak or not intra:
-        return {"available": False, "why": "cluster profile lacks peak_bf16_tflops / intra_node_gbps"}
+        return {"available": False, "why": "cluster profile lacks peak_bf16_tflops (peak_fp32_tflops) / "
+                                           "intra_node_gbps"}
 
     def bandwidth(span: int) -> float:
-        return (intra if span <= per_node or not inter else inter) * COMM_EFFICIENCY
+        return (intra if span <= per_node or not inter else inter) * eff.comm
 
     tokens_step = global_batch * seq_len
     recompute = {"none": 1.0, "selective_op": 1.0, "full": 4 / 3}.get(ac_mode, 1.0)
     if ac_mode == "selective_layer":
         recompute = 1 + (1 / 3) / 2
     rank_flops = flops_per_token * tokens_step / dims.world_size
-    compute_s = rank_flops * recompute / (peak * COMPUTE_EFFICIENCY)
+    f8_flops = float8_flops_per_token(args) * tokens_step / dims.world_size if float8 else 0.0
+    effective = rank_flops - f8_flops + f8_flops / eff.float8_linear_speedup
+    compute_s = effective * recompute / (peak * eff.compute)
+    # CPU profiles: more processes per node than cores share them (cluster.cores_per_node)
+    share = max(float(cluster.get("devices") or 1) / float(cluster.get("cores_per_node") or 1e9), 1.0)
+    compute_s *= share
 
     dp_local = global_batch // dims.dp  # sequences per dp rank per step
     accumulation = max(dp_local // micro_batch, 1)
@@ -182,17 +237,68 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
         m, p, v = pp_microbatches, dims.pp, stages_per_rank
         bubble = (p - 1) / (m * v + p - 1)
     busy = max(compute_s, fsdp_s) + tp_s + cp_s
+    hsdp_s = 0.0
+    if dims.dp_replicate > 1:  # HSDP: the replicas all-reduce their gradient shards, across nodes
+        shard_grad = layout.local_numel * (2 if precision == "bf16-true" else 4)
+        span = dims.dp_replicate * dims.fsdp_size * dims.tp
+        hsdp_s = 2 * (dims.dp_replicate - 1) / dims.dp_replicate * shard_grad / bandwidth(span)
     # AdamW on this rank's shard: memory-bound. Not modelled on the host (cpu_offload: for_loop on CPU).
-    hbm_bw = float(cluster.get("hbm_gbps") or 0) * 1e9 * HBM_EFFICIENCY
+    hbm_bw = float(cluster.get("hbm_gbps") or 0) * 1e9 * eff.hbm
     state_bytes = layout.local_param_bytes if precision != "bf16-true" else layout.local_numel * 2
     optimizer_s = (ADAMW_TENSOR_PASSES[optimizer] * state_bytes / hbm_bw
                    if hbm_bw and optimizer != "for_loop" else 0.0)
-    step_s = busy / (1 - bubble) + optimizer_s
+    step_s = busy / (1 - bubble) + hsdp_s + optimizer_s + eff.overhead_s * share
     mfu = rank_flops / (step_s * peak)
     return {"available": True, "step_s": step_s, "compute_s": compute_s, "fsdp_comm_s": fsdp_s, "tp_comm_s": tp_s,
-            "cp_comm_s": cp_s, "pp_bubble_fraction": bubble, "recompute_factor": recompute,
+            "cp_comm_s": cp_s, "hsdp_comm_s": hsdp_s, "overhead_s": eff.overhead_s,
+            "exposed_fsdp_s": max(fsdp_s - compute_s, 0.0),
+            "bubble_s": busy / (1 - bubble) - busy, "pp_bubble_fraction": bubble, "recompute_factor": recompute,
             "tokens_per_step": tokens_step, "tokens_per_sec_per_device": tokens_step / step_s / dims.world_size,
             "mfu_bound": mfu, "gradient_accumulation": accumulation, "fsdp_reduce_scatters": reduce_scatters,
             "optimizer": optimizer, "optimizer_s": optimizer_s,
             "fsdp_link": "nvlink" if n * dims.tp <= per_node else "infiniband",
             "tp_link": "nvlink" if dims.tp <= per_node else "infiniband"}
+
+
+def rank_memory(args, dims, layout, *, precision: str, seq_len: int, micro_batch: int, pp_microbatches: int,
+                stages_per_rank: int, accumulation: int, reshard_after_forward: bool,
+                grad_reduce_scatter: str) -> dict[str, Any]:
+    """Per-rank memory of a layout: rank 0's breakdown, every pipeline rank's total, and the maximum.
+
+    One function for both the one-layout plan (``layout`` measured on the meta model) and the search
+    (``layout`` from :func:`lit_titan.planner.analytic.analytic_layout`), so the two cannot disagree.
+    """
+    state_elem = 2 if precision == "bf16-true" else layout.local_param_bytes // max(layout.local_numel, 1)
+    param_bytes = layout.local_numel * state_elem
+    grad_bytes = gradient_bytes(layout, dims, precision, param_bytes, accumulation=accumulation,
+                                grad_reduce_scatter=grad_reduce_scatter)
+    optimizer_bytes = 2 * param_bytes  # AdamW: exp_avg and exp_avg_sq, same dtype as the parameter
+    buffers = fsdp_buffer_bytes(layout, dims, precision, reshard_after_forward)
+
+    def acts(layers: int, has_output: bool) -> dict[str, Any]:
+        return activation_bytes(args, dims, seq_len=seq_len, micro_batch=micro_batch, mode=layout.ac_mode,
+                                every_n_layers=layout.ac_every_n_layers, layers_on_rank=layers,
+                                has_output=has_output, pp_microbatches=pp_microbatches,
+                                stages_per_rank=stages_per_rank)
+
+    act0 = acts(layout.layers_on_rank, layout.pp_rank_has_output[0])
+    total0 = param_bytes + grad_bytes + optimizer_bytes + act0["total"] + buffers
+    # Other pipeline ranks: states scaled by their stages' parameter count (same FSDP/TP split as
+    # rank 0), activations by the first rank's in-flight count (an upper bound for later ranks),
+    # plus the loss buffers on the rank holding the output head.
+    per_pp = []
+    if dims.pp > 1:
+        for r, (numel, layers, has_out) in enumerate(zip(layout.pp_rank_numel, layout.pp_rank_layers,
+                                                         layout.pp_rank_has_output)):
+            scale = numel / layout.pp_rank_numel[0]
+            a = acts(layers, has_out)["total"]
+            states = int((param_bytes + grad_bytes + optimizer_bytes) * scale)
+            per_pp.append({"pp_rank": r, "params_unsharded": numel, "layers": layers, "has_output": has_out,
+                           "state_bytes": states, "activation_bytes": a, "fsdp_buffer_bytes": int(buffers * scale),
+                           "total_bytes": int(states + a + buffers * scale)})
+    worst = max(per_pp, key=lambda d: d["total_bytes"]) if per_pp else None
+    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes,
+            "activation_bytes": act0["total"], "fsdp_buffer_bytes": buffers, "total_bytes": total0,
+            "activation_detail": act0, "per_pp_rank": per_pp,
+            "most_loaded_pp_rank": worst["pp_rank"] if worst else 0,
+            "max_total_bytes": max(worst["total_bytes"], total0) if worst else total0}

@@ -1,0 +1,69 @@
+"""Rank 0's layout in closed form: what ``build.build_layout`` measures, without building anything.
+
+The search evaluates tens of thousands of candidate layouts; building each on a meta model over a
+fake process group takes seconds (405B: ~1.3 s), so it counts parameters per module from the model
+arguments instead and splits them the way ``TitanStrategy.parallelize`` does: pipeline stages by
+``strategies.pipeline.split_units`` / ``stage_ids`` (the same functions), TP over every weight but
+the RMSNorm weights (sequence parallel keeps them replicated), FSDP over ``dp_shard * cp``. The top
+candidates are then confirmed with the real build (``search.confirm``), and
+``tests/test_plan.py::test_analytic_layout_matches_the_meta_build`` pins the two together.
+"""
+
+from __future__ import annotations
+
+from lit_titan.planner.build import ShardedLayout
+from lit_titan.strategies.parallel_dims import ParallelDims
+from lit_titan.strategies.pipeline import PipelineConfig, split_units, stage_ids
+
+
+def module_numel(args) -> dict[str, tuple[int, int]]:
+    """Per pipeline module: (elements TP shards, elements TP keeps whole: norm weights)."""
+    h, hd, f, v = args.dim, args.head_dim, args.ffn_hidden_dim, args.vocab_size
+    block = h * args.n_heads * hd * 2 + h * args.kv_heads * hd * 2 + 3 * h * f
+    out = {"tok_embeddings": (v * h, 0), "norm": (0, h), "output": (v * h, 0)}
+    for k in range(args.n_layers):
+        out[f"layers.{k}"] = (block, 2 * h)
+    return out
+
+
+def analytic_layout(args, dims: ParallelDims, pipeline: PipelineConfig | None, *, precision: str,
+                    ac_mode: str = "none", ac_every_n_layers: int = 2, float8: bool = False) -> ShardedLayout:
+    """A :class:`ShardedLayout` for rank 0 (pp rank 0) from the model arguments alone."""
+    numel = module_numel(args)
+    units = [["tok_embeddings"], *[[f"layers.{k}"] for k in range(args.n_layers)], ["norm", "output"]]
+    if dims.pp > 1:
+        assert pipeline is not None
+        n_stages = dims.pp * pipeline.per_rank
+        names = split_units(units, n_stages, pipeline.stages)
+        per_rank_mods = [[n for s in stage_ids(r, dims.pp, pipeline) for n in names[s]] for r in range(dims.pp)]
+        stages0 = stage_ids(0, dims.pp, pipeline)
+    else:
+        per_rank_mods, n_stages, stages0 = [[n for u in units for n in u]], 1, [0]
+    t, fsdp = dims.tp, dims.fsdp_size
+
+    def local(mods: list[str]) -> int:
+        return sum(-(-numel[m][0] // (t * fsdp)) + -(-numel[m][1] // fsdp) for m in mods)
+
+    mods0 = per_rank_mods[0]
+    local_numel = local(mods0)
+    elem = 2 if precision == "bf16-true" else 4
+    # FSDP units: each block, the embedding, [norm, output]; gathered over dp_shard*cp, per tp rank
+    unit_sizes = [sum(numel[m][0] // t + numel[m][1] for m in u) for u in units
+                  if all(m in mods0 for m in u)]
+    sharded = dims.dp_replicate * fsdp > 1 or precision == "bf16-mixed"
+    return ShardedLayout(
+        params_total=sum(a + b for a, b in numel.values()), local_numel=local_numel,
+        local_param_bytes=local_numel * elem, param_dtype=_dtype(elem), fsdp_applied=sharded,
+        layers_on_rank=sum(m.startswith("layers.") for m in mods0), stage_ids=stages0, num_stages=n_stages,
+        unsharded_bf16_bytes=local_numel * fsdp * 2, largest_unit_numel=max(unit_sizes, default=0),
+        pp_rank_numel=[sum(sum(numel[m]) for m in mods) for mods in per_rank_mods],
+        pp_rank_layers=[sum(m.startswith("layers.") for m in mods) for mods in per_rank_mods],
+        pp_rank_has_output=["output" in mods for mods in per_rank_mods],
+        ac_mode=ac_mode, ac_every_n_layers=ac_every_n_layers, float8_layers=int(float8) * args.n_layers * 7,
+        compiled=False)
+
+
+def _dtype(elem: int):
+    import torch
+
+    return torch.bfloat16 if elem == 2 else torch.float32
