@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.errors import ConfigError
+from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import ModelArgs, get_flavor
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
@@ -63,6 +64,10 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     """Every check that needs no data, model weights or processes; raises ConfigError/LayoutError."""
     try:
         args = model_args(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    try:
+        resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     if cfg.logger.name not in LOGGERS:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_titan.log_cadence import forget_logged, is_logging_step
+from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.optim import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_norm
@@ -34,13 +35,16 @@ class PretrainModule(L.LightningModule):
         optim: OptimConfig | dict[str, Any] | None = None,
         seed: int = 0,
         init_from_hf: str | None = None,
+        loss_chunk_tokens: int | str | None = "auto",
     ) -> None:
         super().__init__()
         if isinstance(optim, dict) or optim is None:
             optim = _optim_config(optim or {})
         self.save_hyperparameters({"model": model, "model_overrides": dict(model_overrides or {}),
-                                   "optim": asdict(optim), "seed": seed, "init_from_hf": init_from_hf})
+                                   "optim": asdict(optim), "seed": seed, "init_from_hf": init_from_hf,
+                                   "loss_chunk_tokens": loss_chunk_tokens})
         self.model_args = get_flavor(model, **dict(model_overrides or {}))
+        self.loss_chunk_tokens = resolve_chunk_tokens(loss_chunk_tokens, self.model_args.vocab_size)
         self.optim_config = optim
         self.seed = seed
         self.init_from_hf = init_from_hf
@@ -76,6 +80,8 @@ class PretrainModule(L.LightningModule):
             return
         with torch.device("meta"):
             self.model = self.build_model()
+        if self.loss_in_model:
+            self.model.output.chunk_tokens = self.loss_chunk_tokens
         if not getattr(self.trainer.strategy, "owns_parallelization", False):
             self.model.to_empty(device=self.trainer.strategy.root_device)
             self.model.init_weights(self.seed)
@@ -104,19 +110,36 @@ class PretrainModule(L.LightningModule):
         """[b, seq_len + 1] token blocks -> (inputs, next-token labels)."""
         return batch[:, :-1], batch[:, 1:]
 
+    @property
+    def loss_in_model(self) -> bool:
+        """True when the model's head computes the (chunked) loss from labels itself.
+
+        That is when chunking is on (``loss.chunk_tokens``), the model has such a head and the
+        loss is the default one: a subclass overriding ``compute_loss`` gets full logits.
+        """
+        head = getattr(self.model, "output", None) if self.model is not None else None
+        return (self.loss_chunk_tokens > 0 and type(self).compute_loss is PretrainModule.compute_loss
+                and hasattr(head, "chunk_tokens"))
+
+    def model_loss(self, inputs: Tensor, labels: Tensor, positions: Tensor | None = None) -> Tensor:
+        """The micro-batch loss: the head's chunked loss, or ``compute_loss`` over full logits."""
+        if self.loss_in_model:
+            return self.model(inputs, positions, labels=labels)
+        return self.compute_loss(self(inputs, positions), labels)
+
     def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
         # Under pipeline parallelism the strategy runs the schedule instead of this method, with
-        # the same split_batch / compute_loss / record_train_loss.
+        # the same split_batch / model_loss / record_train_loss.
         batch, positions = _tokens_and_positions(batch)
         inputs, labels = self.split_batch(batch)
-        loss = self.compute_loss(self(inputs, positions), labels)
+        loss = self.model_loss(inputs, labels, positions)
         self.record_train_loss(loss, inputs)
         return loss
 
     def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
         batch, positions = _tokens_and_positions(batch)
         inputs, labels = self.split_batch(batch)
-        loss = self.compute_loss(self(inputs, positions), labels)
+        loss = self.model_loss(inputs, labels, positions)
         self.record_val_loss(loss)
         return loss
 

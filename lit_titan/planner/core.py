@@ -116,11 +116,15 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None) -> d
     optimizer_bytes = 2 * param_bytes  # AdamW: exp_avg and exp_avg_sq, same dtype as the parameter
     buffers = estimate.fsdp_buffer_bytes(layout, dims, precision, reshard)
 
+    from lit_titan.loss import resolve_chunk_tokens
+
+    loss_chunk = resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
+
     def acts(layers: int, has_output: bool) -> dict[str, Any]:
         return estimate.activation_bytes(args, dims, seq_len=seq_len, micro_batch=micro, mode=layout.ac_mode,
                                          every_n_layers=layout.ac_every_n_layers, layers_on_rank=layers,
                                          has_output=has_output, pp_microbatches=pp_micro,
-                                         stages_per_rank=stages_per_rank)
+                                         stages_per_rank=stages_per_rank, loss_chunk_tokens=loss_chunk)
 
     act0 = acts(layout.layers_on_rank, layout.pp_rank_has_output[0])
     total0 = param_bytes + grad_bytes + optimizer_bytes + act0["total"] + buffers

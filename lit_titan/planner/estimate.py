@@ -20,7 +20,8 @@ autograd keeps per block:
 
 plus, once, the recomputation peak of one block (its `none` size) when checkpointing, the
 embedding output 2*s*b*h/(t*cp), and the loss: fp32 log-probabilities and their gradient,
-8*s*b*V/(t*cp) on the rank holding the output head. Under pipeline parallelism (p ranks, v
+8*s*b*V/(t*cp) on the rank holding the output head, or with the chunked loss (``loss.chunk_tokens=c``,
+on by default at vocabularies >= 32K) those of one chunk, 8*min(c, s*b/cp)*V/t. Under pipeline parallelism (p ranks, v
 stages per rank, micro-batch b = local batch / pp_microbatches) the first pipeline rank holds the
 activations of L*(1 + (p-1)/(p*v)) blocks for v > 1 (1F1B, v = 1: L blocks) (Korthikanti et al., sec. 4.2.3;
 Narayanan et al. 2021 for the interleaved schedule), never more than the blocks of m in-flight
@@ -61,8 +62,8 @@ def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str)
 
 
 def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, every_n_layers: int,
-                     layers_on_rank: int, has_output: bool, pp_microbatches: int, stages_per_rank: int
-                     ) -> dict[str, Any]:
+                     layers_on_rank: int, has_output: bool, pp_microbatches: int, stages_per_rank: int,
+                     loss_chunk_tokens: int = 0) -> dict[str, Any]:
     t, cp, p, v = dims.tp, dims.cp, dims.pp, stages_per_rank
     s, b = seq_len, micro_batch
     if mode == "selective_layer":
@@ -81,7 +82,9 @@ def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, e
     blocks = per_block * in_flight
     recompute_peak = per_block_activation_bytes(args, s, b, t, cp, "none") if mode != "none" else 0.0
     embedding = 2 * s * b * args.dim / (t * cp)
-    loss = 8 * s * b * args.vocab_size / (t * cp) if has_output else 0.0
+    # The loss's tokens per rank: all of them, or one chunk at a time (loss.chunk_tokens, lit_titan/loss.py).
+    loss_tokens = s * b / cp if not loss_chunk_tokens else min(loss_chunk_tokens, s * b / cp)
+    loss = 8 * loss_tokens * args.vocab_size / t if has_output else 0.0
     total = blocks + recompute_peak + embedding + loss
     return {"total": int(total), "blocks": int(blocks), "blocks_in_flight": in_flight,
             "per_block": int(per_block), "recompute_peak": int(recompute_peak), "embedding": int(embedding),

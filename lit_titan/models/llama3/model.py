@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_titan.loss import chunked_cross_entropy
 from lit_titan.models.init import InitFn, canonical_name, normal, ones, seeded_init_
 from lit_titan.models.llama3.args import ModelArgs, RopeScaling
 
@@ -117,6 +118,26 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class OutputHead(nn.Linear):
+    """The LM head: logits, or (given labels) the mean next-token loss computed in token chunks.
+
+    Computing the loss inside the head's own forward keeps one module call per step, so FSDP
+    gathers the weight once and TP's style wraps the whole loss; ``chunk_tokens`` (0: off) is a
+    setting of the run, not of the architecture (``loss.chunk_tokens``).
+    """
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.chunk_tokens = 0
+
+    def forward(self, h: Tensor, labels: Tensor | None = None) -> Tensor:
+        if labels is None:
+            return super().forward(h)
+        if self.chunk_tokens > 0:
+            return chunked_cross_entropy(h, self.weight, labels, self.chunk_tokens)
+        return F.cross_entropy(super().forward(h).flatten(0, -2).float(), labels.flatten())
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -125,17 +146,19 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size)
         # Not persistent: derived from args, so checkpoints hold only learned weights.
         cos, sin = rope_tables(args, device="meta" if _on_meta() else None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] on a pipeline stage without the embedding).
 
         ``positions`` ([s] or [b, s]) are the tokens' places in the original sequence; they default
-        to 0..s-1 and differ only when the sequence is split (context parallelism).
+        to 0..s-1 and differ when the sequence is split (context parallelism) or restart per
+        document. With ``labels`` [b, s] the model with the head returns the mean next-token loss
+        (chunked per ``output.chunk_tokens``) instead of logits, so full logits need never exist.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
@@ -146,7 +169,9 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if labels is None else self.output(h, labels=labels)
 
     # ---- materialisation ------------------------------------------------------------------------
     def init_fn(self, name: str) -> InitFn:

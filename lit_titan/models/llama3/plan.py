@@ -7,6 +7,8 @@ crashes in backward and FSDP x TP x compile trains silently wrong (shared/design
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from lit_titan.models.llama3.model import Transformer
@@ -24,12 +26,36 @@ def tp_root(model: nn.Module, loss_parallel: bool) -> dict:
     if model.norm is not None:
         plan["norm"] = SequenceParallel()
     if model.output is not None:
-        plan["output"] = ColwiseParallel(
+        plan["output"] = LossHeadColwise(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
     return plan
+
+
+@functools.cache
+def _loss_head_style() -> type:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class LossHeadColwise(ColwiseParallel):
+        """ColwiseParallel for a head that returns logits or, given labels, a scalar loss.
+
+        The loss (a Replicate DTensor under loss parallel) is handed back as a plain tensor
+        instead of being redistributed to the logits' layout, which a 0-d tensor cannot take.
+        """
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            if outputs.ndim == 0:
+                return outputs.full_tensor()
+            return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+    return LossHeadColwise
+
+
+def LossHeadColwise(**kwargs):  # noqa: N802 - a style constructor, named like one
+    return _loss_head_style()(**kwargs)
 
 
 def tp_block(block: nn.Module) -> dict:
