@@ -17,7 +17,9 @@ from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 LOGGERS = ("csv", "tensorboard", "wandb")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
-                  "max_seq_len")
+                  "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings")
+# Keys whose null is a value (no rotary scaling), not "the flavor's default": passed whenever present.
+MODEL_NULLABLE_KEYS = ("rope_scaling",)
 
 
 def conf_dir() -> Path:
@@ -42,12 +44,16 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:
-    overrides = {k: cfg.model[k] for k in MODEL_ARG_KEYS if cfg.model.get(k) is not None}
-    return get_flavor(cfg.model.name, **overrides)
+    return get_flavor(cfg.model.name, **model_overrides(cfg))
 
 
 def model_overrides(cfg: DictConfig) -> dict[str, Any]:
-    return {k: cfg.model[k] for k in MODEL_ARG_KEYS if cfg.model.get(k) is not None}
+    out = {k: cfg.model[k] for k in MODEL_ARG_KEYS if cfg.model.get(k) is not None}
+    for k in MODEL_NULLABLE_KEYS:
+        if k in cfg.model:
+            value = cfg.model[k]
+            out[k] = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    return out
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -88,6 +94,11 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
     _validate_fault(cfg, world_size(cfg))
     dims = parallel_dims(cfg)
+    if args.tie_embeddings and dims.pp > 1:
+        raise ConfigError(f"model.tie_embeddings=true ({cfg.model.name}) is not supported with parallel.pp={dims.pp}: "
+                          f"the embedding (first stage) and the output head (last stage) sit on different ranks, "
+                          f"and torch's pipeline schedules do not sum a shared weight's gradients across stages; "
+                          f"use parallel.pp=1 (FSDP/TP keep it tied) or model.tie_embeddings=false")
     _validate_grad_reduce_scatter(cfg, dims)
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=seq_len,
                   global_batch_size=int(cfg.data.global_batch_size),

@@ -1,4 +1,4 @@
-"""Llama 3.1 as a plain nn.Module: no parallelism in here.
+"""Llama 3.1 / 3.2 as a plain nn.Module: no parallelism in here.
 
 Parallel code elsewhere relies on three properties of this file:
 - blocks live in an ``nn.ModuleDict`` keyed "0".."n-1", and ``tok_embeddings``, ``norm`` and
@@ -147,6 +147,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size)
+        if args.tie_embeddings:
+            self.tie_weights()
         # Not persistent: derived from args, so checkpoints hold only learned weights.
         cos, sin = rope_tables(args, device="meta" if _on_meta() else None)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -173,12 +175,23 @@ class Transformer(nn.Module):
             return h
         return self.output(h) if labels is None else self.output(h, labels=labels)
 
+    def tie_weights(self) -> None:
+        """Make the head use the embedding's weight (``args.tie_embeddings``).
+
+        Called again by tensor parallelism after it replaced both with DTensors: the embedding
+        (RowwiseParallel) and the head (ColwiseParallel) shard the [vocab, dim] weight the same way,
+        ``Shard(0)``, so one DTensor serves both.
+        """
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
     # ---- materialisation ------------------------------------------------------------------------
     def init_fn(self, name: str) -> InitFn:
         """The initialiser of one parameter, by its canonical name (TorchTitan's scheme)."""
         args = self.args
         if name.startswith("tok_embeddings."):
-            return normal(1.0)
+            # Tied, it is also the head: the head's scale keeps the initial logits O(1).
+            return normal(args.dim**-0.5, trunc=3.0) if args.tie_embeddings else normal(1.0)
         if name.startswith("output."):
             return normal(args.dim**-0.5, trunc=3.0)
         if name.endswith("norm.weight"):

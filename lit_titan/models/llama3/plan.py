@@ -88,11 +88,14 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def fsdp_units(model: nn.Module) -> list:
+    # Tied embeddings: the one weight stays with the root unit (an FSDP unit each for the embedding
+    # and the head would shard, gather and reduce the same parameter twice).
+    tied = model.args.tie_embeddings
     units: list = []
-    if model.tok_embeddings is not None:
+    if model.tok_embeddings is not None and not tied:
         units.append(model.tok_embeddings)
     units.extend(model.layers.values())
-    tail = [m for m in (model.norm, model.output) if m is not None]
+    tail = [m for m in (model.norm, None if tied else model.output) if m is not None]
     if tail:
         units.append(tail)
     return units
