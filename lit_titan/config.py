@@ -17,7 +17,7 @@ from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 LOGGERS = ("csv", "tensorboard", "wandb")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
-                  "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings")
+                  "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "attention")
 # Keys whose null is a value (no rotary scaling), not "the flavor's default": passed whenever present.
 MODEL_NULLABLE_KEYS = ("rope_scaling",)
 
@@ -103,6 +103,17 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=seq_len,
                   global_batch_size=int(cfg.data.global_batch_size),
                   micro_batch_size=cfg.data.micro_batch_size)
+    if cfg.data.get("document_masking") and (dims.pp > 1 or dims.cp > 1):
+        raise ConfigError("data.document_masking=true is not supported with parallel.pp > 1 or parallel.cp > 1: "
+                          "the pipeline stages and CP's all-gather-KV attention receive no document ids (CP would "
+                          "also need the block mask split per chunk); set data.document_masking=false or pp=cp=1")
+    if args.attention == "flex" and str(cfg.cluster.get("accelerator", "")) == "cpu":
+        raise ConfigError("model.attention=flex cannot train on CPU: torch's flex_attention has no CPU backward "
+                          "(torch 2.15); use model.attention=sdpa (document masking then uses a dense mask) "
+                          "or a GPU cluster profile")
+    if args.attention == "flex" and dims.cp > 1:
+        raise ConfigError("model.attention=flex is not supported with parallel.cp > 1 (CP's attention is SDPA); "
+                          "set model.attention=sdpa")
     if cfg.data.get("document_positions") and (dims.pp > 1 or dims.cp > 1):
         raise ConfigError("data.document_positions=true is not supported with parallel.pp > 1 or parallel.cp > 1 yet; "
                           "set data.document_positions=false")

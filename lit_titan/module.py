@@ -103,8 +103,8 @@ class PretrainModule(L.LightningModule):
         scheduler = self.build_scheduler(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-        return self.model(tokens, positions)
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, documents: Tensor | None = None) -> Tensor:
+        return self.model(tokens, positions) if documents is None else self.model(tokens, positions, documents=documents)
 
     def split_batch(self, batch: Tensor) -> tuple[Tensor, Tensor]:
         """[b, seq_len + 1] token blocks -> (inputs, next-token labels)."""
@@ -121,25 +121,32 @@ class PretrainModule(L.LightningModule):
         return (self.loss_chunk_tokens > 0 and type(self).compute_loss is PretrainModule.compute_loss
                 and hasattr(head, "chunk_tokens"))
 
-    def model_loss(self, inputs: Tensor, labels: Tensor, positions: Tensor | None = None) -> Tensor:
-        """The micro-batch loss: the head's chunked loss, or ``compute_loss`` over full logits."""
+    def model_loss(self, inputs: Tensor, labels: Tensor, positions: Tensor | None = None,
+                   documents: Tensor | None = None) -> Tensor:
+        """The micro-batch loss: the head's chunked loss, or ``compute_loss`` over full logits.
+
+        ``documents`` (``data.document_masking``) makes attention block-causal per document.
+        """
+        extra = {} if documents is None else {"documents": documents}
         if self.loss_in_model:
-            return self.model(inputs, positions, labels=labels)
-        return self.compute_loss(self(inputs, positions), labels)
+            return self.model(inputs, positions, labels=labels, **extra)
+        return self.compute_loss(self(inputs, positions, **extra), labels)
 
     def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
         # Under pipeline parallelism the strategy runs the schedule instead of this method, with
         # the same split_batch / model_loss / record_train_loss.
+        documents = _documents(batch)
         batch, positions = _tokens_and_positions(batch)
         inputs, labels = self.split_batch(batch)
-        loss = self.model_loss(inputs, labels, positions)
+        loss = self.model_loss(inputs, labels, positions, documents)
         self.record_train_loss(loss, inputs)
         return loss
 
     def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
+        documents = _documents(batch)
         batch, positions = _tokens_and_positions(batch)
         inputs, labels = self.split_batch(batch)
-        loss = self.model_loss(inputs, labels, positions)
+        loss = self.model_loss(inputs, labels, positions, documents)
         self.record_val_loss(loss)
         return loss
 
@@ -224,7 +231,13 @@ def _optim_config(values: dict[str, Any]) -> OptimConfig:
 
 
 def _tokens_and_positions(batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
-    """A token batch, or ``{"tokens", "positions"}`` from ``data.document_positions=true``."""
+    """A token batch, or ``{"tokens", "positions"?, "documents"?}`` from ``data.document_positions`` /
+    ``data.document_masking``."""
     if isinstance(batch, dict):
         return batch["tokens"], batch.get("positions")
     return batch, None
+
+
+def _documents(batch: Tensor | dict[str, Tensor]) -> Tensor | None:
+    """Document ids per input token (``data.document_masking``), or None."""
+    return batch.get("documents") if isinstance(batch, dict) else None

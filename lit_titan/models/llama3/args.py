@@ -33,6 +33,8 @@ class ModelArgs:
     depth_init: bool = True
     # One weight for the input embedding and the output head (Llama 3.2 1B/3B).
     tie_embeddings: bool = False
+    # Attention kernel: sdpa | flex (models/llama3/attention.py); same numerics, flex skips masked blocks.
+    attention: str = "sdpa"
 
     @property
     def kv_heads(self) -> int:
@@ -63,6 +65,8 @@ class ModelArgs:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.kv_heads}")
+        if self.attention not in ("sdpa", "flex"):
+            raise ValueError(f"model.attention={self.attention!r}; choose sdpa or flex")
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
 

@@ -12,12 +12,14 @@ Parallel code elsewhere relies on three properties of this file:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_titan.loss import chunked_cross_entropy
+from lit_titan.models.llama3.attention import attention, attention_mask
 from lit_titan.models.init import InitFn, canonical_name, normal, ones, seeded_init_
 from lit_titan.models.llama3.args import ModelArgs, RopeScaling
 
@@ -62,13 +64,14 @@ def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class CoreAttention(nn.Module):
     """Causal grouped-query attention: q [b, heads, s, d], k/v [b, kv_heads, s, d].
 
-    K/V stay at kv_heads width: SDPA's ``enable_gqa`` (torch >= 2.5) shares each K/V head among
-    its query heads inside the kernel, so no [b, heads, s, d] copy of K and V is made (nor saved
-    for backward). A module, so context parallelism can swap it and communicate kv_heads too.
+    Goes through the one entry point (``attention.attention``): SDPA with ``enable_gqa`` (torch
+    >= 2.5), so K/V are never copied to query-head width nor saved for backward at that width, or
+    FlexAttention with a block mask (``model.attention=flex``, document masking). A module, so
+    context parallelism can swap it and communicate kv_heads too.
     """
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Any = None) -> Tensor:
+        return attention(q, k, v, mask)
 
 
 class Attention(nn.Module):
@@ -81,14 +84,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.core = CoreAttention()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any = None) -> Tensor:
         bs, seqlen, _ = x.shape
         # -1, not n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # No mask argument for plain causal attention: context parallelism's core takes (q, k, v).
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -113,8 +118,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any = None) -> Tensor:
+        # mask as a keyword: TP's PrepareModuleInput maps the positional (x, cos, sin) only.
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -154,21 +160,27 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, labels: Tensor | None = None,
+                documents: Tensor | None = None) -> Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] on a pipeline stage without the embedding).
 
         ``positions`` ([s] or [b, s]) are the tokens' places in the original sequence; they default
         to 0..s-1 and differ when the sequence is split (context parallelism) or restart per
         document. With ``labels`` [b, s] the model with the head returns the mean next-token loss
         (chunked per ``output.chunk_tokens``) instead of logits, so full logits need never exist.
+        ``documents`` [b, s] (document index per token) makes attention block-causal: no token
+        attends across a document boundary.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             cos, sin = self.rope_cos[: tokens.shape[1]], self.rope_sin[: tokens.shape[1]]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = None
+        if documents is not None or self.args.attention != "sdpa":
+            mask = attention_mask(self.args.attention, documents, tokens.shape[1], h.device)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
