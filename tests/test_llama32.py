@@ -125,3 +125,13 @@ def test_tied_trains_the_same_under_fsdp_x_tp(tmp_path, worlds):
         torch.testing.assert_close(par[name], one[name], rtol=0, atol=1e-4)
     if "output.weight" in par:  # a state dict lists the shared weight under both names: still one weight
         assert torch.equal(par["output.weight"], par["tok_embeddings.weight"])
+
+
+def test_materialised_from_meta_stays_tied():
+    """What every strategy does: build on meta, ``to_empty``, ``init_weights`` (to_empty unties)."""
+    with torch.device("meta"):
+        model = Transformer(_small(True, ROPE32))
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert [n for n, _ in model.named_parameters()].count("output.weight") == 0

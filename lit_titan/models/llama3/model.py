@@ -224,6 +224,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
         """Fill every parameter (sharded or not) from (seed, name) and rebuild the rope tables."""
+        # ``to_empty`` (meta -> device) gives each module a new Parameter, which unties shared weights.
+        self.tie_weights()
         for name, param in self.named_parameters():
             canon = canonical_name(name)
             seeded_init_(param, canon, seed, self.init_fn(canon))
