@@ -135,3 +135,27 @@ def test_materialised_from_meta_stays_tied():
     model.init_weights(0)
     assert model.output.weight is model.tok_embeddings.weight
     assert [n for n, _ in model.named_parameters()].count("output.weight") == 0
+
+
+def test_model_code_depends_on_nothing_above_it():
+    """Issue 20 item 5: lit_titan.models imports only itself and the leaf modules errors / loss
+    (which import nothing from lit_titan), so config -> models never comes back up. The one
+    exception is each family's parallel layout (plan.py), which registers a ParallelPlan, the data
+    type the strategy reads (lit_titan.strategies.plan imports nothing from models)."""
+    import ast
+    from pathlib import Path
+
+    import lit_titan
+
+    root = Path(lit_titan.__file__).parent
+    allowed = ("lit_titan.models", "lit_titan.errors", "lit_titan.loss")
+    for leaf in ("errors.py", "loss.py"):
+        tree = ast.parse((root / leaf).read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("lit_titan")]
+    for path in (root / "models").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            ok = (*allowed, "lit_titan.strategies.plan") if path.name == "plan.py" else allowed
+            bad = [n for n in names if n.startswith("lit_titan") and not n.startswith(ok)]
+            assert not bad, f"{path.relative_to(root)} imports {bad}"
