@@ -121,10 +121,13 @@ def test_tied_trains_the_same_under_fsdp_x_tp(tmp_path, worlds):
     from helpers import final_params
 
     one, par = final_params(tmp_path / "one"), final_params(tmp_path / "dp2tp2")
-    for name in ("tok_embeddings.weight",):
-        torch.testing.assert_close(par[name], one[name], rtol=0, atol=1e-4)
-    if "output.weight" in par:  # a state dict lists the shared weight under both names: still one weight
-        assert torch.equal(par["output.weight"], par["tok_embeddings.weight"])
+    assert one.keys() == par.keys()
+    for name, ref in one.items():
+        torch.testing.assert_close(par[name], ref, rtol=0, atol=1e-4, msg=name)
+    emb, head = "model.tok_embeddings.weight", "model.output.weight"
+    assert emb in par
+    if head in par:  # a state dict lists the shared weight under both names: still one weight
+        assert torch.equal(par[head], par[emb])
 
 
 def test_materialised_from_meta_stays_tied():
