@@ -11,6 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.errors import ConfigError
+from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import ModelArgs, get_flavor
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
@@ -18,7 +19,9 @@ from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
-                  "max_seq_len")
+                  "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "attention")
+# Keys whose null is a value (no rotary scaling), not "the flavor's default": passed whenever present.
+MODEL_NULLABLE_KEYS = ("rope_scaling",)
 
 
 def conf_dir() -> Path:
@@ -69,12 +72,16 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:
-    overrides = {k: cfg.model[k] for k in MODEL_ARG_KEYS if cfg.model.get(k) is not None}
-    return get_flavor(cfg.model.name, **overrides)
+    return get_flavor(cfg.model.name, **model_overrides(cfg))
 
 
 def model_overrides(cfg: DictConfig) -> dict[str, Any]:
-    return {k: cfg.model[k] for k in MODEL_ARG_KEYS if cfg.model.get(k) is not None}
+    out = {k: cfg.model[k] for k in MODEL_ARG_KEYS if cfg.model.get(k) is not None}
+    for k in MODEL_NULLABLE_KEYS:
+        if k in cfg.model:
+            value = cfg.model[k]
+            out[k] = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    return out
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -94,6 +101,10 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     except ValueError as err:
         raise ConfigError(str(err)) from err
     _validate_targets(cfg)
+    try:
+        resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     if cfg.precision not in PRECISIONS:
         raise ConfigError(f"precision={cfg.precision!r} is not supported; choose one of {PRECISIONS}")
     seq_len = int(cfg.data.seq_len)
@@ -111,10 +122,26 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     _validate_fault(cfg, world_size(cfg))
     _validate_profiler(cfg)
     dims = parallel_dims(cfg)
+    if args.tie_embeddings and dims.pp > 1:
+        raise ConfigError(f"model.tie_embeddings=true ({cfg.model.name}) is not supported with parallel.pp={dims.pp}: "
+                          f"the embedding (first stage) and the output head (last stage) sit on different ranks, "
+                          f"and torch's pipeline schedules do not sum a shared weight's gradients across stages; "
+                          f"use parallel.pp=1 (FSDP/TP keep it tied) or model.tie_embeddings=false")
     _validate_grad_reduce_scatter(cfg, dims)
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=seq_len,
                   global_batch_size=int(cfg.data.global_batch_size),
                   micro_batch_size=cfg.data.micro_batch_size)
+    if cfg.data.get("document_masking") and (dims.pp > 1 or dims.cp > 1):
+        raise ConfigError("data.document_masking=true is not supported with parallel.pp > 1 or parallel.cp > 1: "
+                          "the pipeline stages and CP's all-gather-KV attention receive no document ids (CP would "
+                          "also need the block mask split per chunk); set data.document_masking=false or pp=cp=1")
+    if args.attention == "flex" and str(cfg.cluster.get("accelerator", "")) == "cpu":
+        raise ConfigError("model.attention=flex cannot train on CPU: torch's flex_attention has no CPU backward "
+                          "(torch 2.15); use model.attention=sdpa (document masking then uses a dense mask) "
+                          "or a GPU cluster profile")
+    if args.attention == "flex" and dims.cp > 1:
+        raise ConfigError("model.attention=flex is not supported with parallel.cp > 1 (CP's attention is SDPA); "
+                          "set model.attention=sdpa")
     if cfg.data.get("document_positions") and (dims.pp > 1 or dims.cp > 1):
         raise ConfigError("data.document_positions=true is not supported with parallel.pp > 1 or parallel.cp > 1 yet; "
                           "set data.document_positions=false")

@@ -123,7 +123,8 @@ def check_shapes(tensors: dict[str, tuple[str, Any]], args: ModelArgs) -> None:
     """The checkpoint holds exactly the model's parameters, with its shapes."""
     expected = hf.param_shapes(args)
     missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
+    # A tied head shares the embedding's weight: a state dict may list it under both names.
+    extra = sorted(set(tensors) - set(expected) - ({"output.weight"} if args.tie_embeddings else set()))
     wrong = [f"{n} {list(tensors[n][1].size)} vs {list(s)}" for n, s in expected.items()
              if n in tensors and tuple(tensors[n][1].size) != s]
     if missing or extra or wrong:

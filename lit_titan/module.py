@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_titan.log_cadence import forget_logged, is_logging_step
+from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.optim import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.observe.phases import PhaseClock, phase
@@ -38,13 +39,16 @@ class PretrainModule(L.LightningModule):
         optim: OptimConfig | dict[str, Any] | None = None,
         seed: int = 0,
         init_from_hf: str | None = None,
+        loss_chunk_tokens: int | str | None = "auto",
     ) -> None:
         super().__init__()
         if isinstance(optim, dict) or optim is None:
             optim = _optim_config(optim or {})
         self.save_hyperparameters({"model": model, "model_overrides": dict(model_overrides or {}),
-                                   "optim": asdict(optim), "seed": seed, "init_from_hf": init_from_hf})
+                                   "optim": asdict(optim), "seed": seed, "init_from_hf": init_from_hf,
+                                   "loss_chunk_tokens": loss_chunk_tokens})
         self.model_args = get_flavor(model, **dict(model_overrides or {}))
+        self.loss_chunk_tokens = resolve_chunk_tokens(loss_chunk_tokens, self.model_args.vocab_size)
         self.optim_config = optim
         self.seed = seed
         self.init_from_hf = init_from_hf
@@ -80,6 +84,8 @@ class PretrainModule(L.LightningModule):
             return
         with torch.device("meta"):
             self.model = self.build_model()
+        if self.loss_in_model:
+            self.model.output.chunk_tokens = self.loss_chunk_tokens
         if not getattr(self.trainer.strategy, "owns_parallelization", False):
             self.model.to_empty(device=self.trainer.strategy.root_device)
             self.model.init_weights(self.seed)
@@ -101,26 +107,50 @@ class PretrainModule(L.LightningModule):
         scheduler = self.build_scheduler(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-        return self.model(tokens, positions)
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, documents: Tensor | None = None) -> Tensor:
+        return self.model(tokens, positions) if documents is None else self.model(tokens, positions, documents=documents)
 
     def split_batch(self, batch: Tensor) -> tuple[Tensor, Tensor]:
         """[b, seq_len + 1] token blocks -> (inputs, next-token labels)."""
         return batch[:, :-1], batch[:, 1:]
 
+    @property
+    def loss_in_model(self) -> bool:
+        """True when the model's head computes the (chunked) loss from labels itself.
+
+        That is when chunking is on (``loss.chunk_tokens``), the model has such a head and the
+        loss is the default one: a subclass overriding ``compute_loss`` gets full logits.
+        """
+        head = getattr(self.model, "output", None) if self.model is not None else None
+        return (self.loss_chunk_tokens > 0 and type(self).compute_loss is PretrainModule.compute_loss
+                and hasattr(head, "chunk_tokens"))
+
+    def model_loss(self, inputs: Tensor, labels: Tensor, positions: Tensor | None = None,
+                   documents: Tensor | None = None) -> Tensor:
+        """The micro-batch loss: the head's chunked loss, or ``compute_loss`` over full logits.
+
+        ``documents`` (``data.document_masking``) makes attention block-causal per document.
+        """
+        extra = {} if documents is None else {"documents": documents}
+        if self.loss_in_model:
+            return self.model(inputs, positions, labels=labels, **extra)
+        return self.compute_loss(self(inputs, positions, **extra), labels)
+
     def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
         # Under pipeline parallelism the strategy runs the schedule instead of this method, with
-        # the same split_batch / compute_loss / record_train_loss.
+        # the same split_batch / model_loss / record_train_loss.
+        documents = _documents(batch)
         batch, positions = _tokens_and_positions(batch)
         inputs, labels = self.split_batch(batch)
-        loss = self.compute_loss(self(inputs, positions), labels)
+        loss = self.model_loss(inputs, labels, positions, documents)
         self.record_train_loss(loss, inputs)
         return loss
 
     def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
+        documents = _documents(batch)
         batch, positions = _tokens_and_positions(batch)
         inputs, labels = self.split_batch(batch)
-        loss = self.compute_loss(self(inputs, positions), labels)
+        loss = self.model_loss(inputs, labels, positions, documents)
         self.record_val_loss(loss)
         return loss
 
@@ -207,7 +237,13 @@ def _optim_config(values: dict[str, Any]) -> OptimConfig:
 
 
 def _tokens_and_positions(batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
-    """A token batch, or ``{"tokens", "positions"}`` from ``data.document_positions=true``."""
+    """A token batch, or ``{"tokens", "positions"?, "documents"?}`` from ``data.document_positions`` /
+    ``data.document_masking``."""
     if isinstance(batch, dict):
         return batch["tokens"], batch.get("positions")
     return batch, None
+
+
+def _documents(batch: Tensor | dict[str, Tensor]) -> Tensor | None:
+    """Document ids per input token (``data.document_masking``), or None."""
+    return batch.get("documents") if isinstance(batch, dict) else None

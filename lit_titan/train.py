@@ -161,7 +161,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
                               model_vocab_size=args.vocab_size, _convert_="all")
     module = PretrainModule(model=cfg.model.name, model_overrides=model_overrides(cfg),
                             optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=int(cfg.seed),
-                            init_from_hf=cfg.model.get("init_from_hf"))
+                            init_from_hf=cfg.model.get("init_from_hf"),
+                            loss_chunk_tokens=(cfg.get("loss") or {}).get("chunk_tokens", "auto"))
 
     global_batch = int(cfg.data.global_batch_size)
     micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)

@@ -111,4 +111,4 @@ def test_gqa_and_causality():
 def test_unknown_flavor_names_the_choices():
     with pytest.raises(ValueError, match="llama3_debug"):
         get_flavor("llama3_7b")
-    assert set(FLAVORS) == {"llama3_debug", "llama3_8b", "llama3_70b", "llama3_405b"}
+    assert set(FLAVORS) == {"llama3_debug", "llama3_8b", "llama3_70b", "llama3_405b", "llama3_2_1b", "llama3_2_3b"}

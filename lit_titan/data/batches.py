@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from lit_titan.data.documents import document_positions
+from lit_titan.data.documents import document_ids, document_positions
 from lit_titan.data.mixture import Blend
 from lit_titan.data.order import SourceOrder
 from lit_titan.data.shards import ShardSplit
@@ -118,9 +118,11 @@ class RankMicroBatches(Dataset):
     """
 
     def __init__(self, batches: GlobalBatches, *, dp_rank: int, dp_size: int, micro_batch_size: int,
-                 release_margin_steps: int = 2, positions_eos_id: int | None = None) -> None:
+                 release_margin_steps: int = 2, positions_eos_id: int | None = None,
+                 documents_eos_id: int | None = None) -> None:
         self.batches = batches
         self.positions_eos_id = positions_eos_id
+        self.documents_eos_id = documents_eos_id
         self.dp_rank, self.dp_size, self.micro = dp_rank, dp_size, micro_batch_size
         self.per_rank = batches.global_batch // dp_size
         self.accumulation = self.per_rank // micro_batch_size
@@ -136,10 +138,14 @@ class RankMicroBatches(Dataset):
         step = int(index) // self.accumulation
         tokens = self.batches.tokens(self.rows(index))
         self.batches.release_before(step - self.release_margin_steps)
+        if self.positions_eos_id is None and self.documents_eos_id is None:
+            return torch.from_numpy(tokens).long()
+        out = {"tokens": torch.from_numpy(tokens).long()}
         if self.positions_eos_id is not None:  # data.document_positions
-            positions = document_positions(tokens, self.positions_eos_id)
-            return {"tokens": torch.from_numpy(tokens).long(), "positions": torch.from_numpy(positions)}
-        return torch.from_numpy(tokens).long()
+            out["positions"] = torch.from_numpy(document_positions(tokens, self.positions_eos_id))
+        if self.documents_eos_id is not None:  # data.document_masking
+            out["documents"] = torch.from_numpy(document_ids(tokens, self.documents_eos_id))
+        return out
 
 
 class StepSampler(Sampler[int]):

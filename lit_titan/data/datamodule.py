@@ -62,6 +62,7 @@ class PretrainDataModule(L.LightningDataModule):
         storage_options: Mapping[str, Any] | None = None,
         shuffle_window: int = 2048,
         document_positions: bool = False,
+        document_masking: bool = False,
     ) -> None:
         super().__init__()
         self.corpus_kind = corpus
@@ -82,6 +83,7 @@ class PretrainDataModule(L.LightningDataModule):
         self.storage_options = dict(storage_options) if storage_options else None
         self.shuffle_window = shuffle_window
         self.document_positions = bool(document_positions)
+        self.document_masking = bool(document_masking)
         self._source_specs = [dict(s) for s in sources] if sources else None
         if isinstance(tokenizer, Mapping) or tokenizer is None:
             self._tok_cfg: dict[str, Any] = {**DEFAULT_TOKENIZER, **dict(tokenizer or {})}
@@ -336,7 +338,7 @@ class PretrainDataModule(L.LightningDataModule):
         dataset = RankMicroBatches(self.train_batches, dp_rank=dp_rank, dp_size=dp_size,
                                    micro_batch_size=self._micro,
                                    release_margin_steps=2 + (2 * self.num_workers) // max(1, self._accumulation()),
-                                   positions_eos_id=self._eos_id())
+                                   positions_eos_id=self._eos_id(), documents_eos_id=self._documents_eos_id())
         # One Lightning epoch: the whole run when it is bounded by max_steps, else one pass over the data.
         max_steps = getattr(self.trainer, "max_steps", -1) if self.trainer is not None else -1
         steps = max_steps if max_steps and max_steps > 0 else self.train_batches.steps_per_epoch
@@ -345,6 +347,9 @@ class PretrainDataModule(L.LightningDataModule):
 
     def _eos_id(self) -> int | None:
         return self.train_splits[0].eos_id if self.document_positions else None
+
+    def _documents_eos_id(self) -> int | None:
+        return self.train_splits[0].eos_id if self.document_masking else None
 
     def _accumulation(self) -> int:
         return self.global_batch_size // (self._dp[1] * self._micro)
@@ -365,7 +370,7 @@ class PretrainDataModule(L.LightningDataModule):
                                 shuffle=False)
         steps = batches.orders[0].per_epoch // batch
         dataset = RankMicroBatches(batches, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=self._micro,
-                                   positions_eos_id=self._eos_id())
+                                   positions_eos_id=self._eos_id(), documents_eos_id=self._documents_eos_id())
         return self._loader(dataset, _Fixed(range(steps)))
 
     def _loader(self, dataset: RankMicroBatches, sampler: Any) -> DataLoader:

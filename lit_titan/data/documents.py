@@ -10,6 +10,18 @@ from __future__ import annotations
 import numpy as np
 
 
+def document_ids(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """``[m, s+1]`` tokens -> ``[m, s]`` document index (0, 1, ...) of each input token.
+
+    The token after an EOS starts the next document; block-causal attention lets a token see
+    only earlier tokens of its own document (``data.document_masking``).
+    """
+    inputs = np.asarray(tokens)[:, :-1]
+    starts = np.zeros(inputs.shape, dtype=np.int64)
+    starts[:, 1:] = inputs[:, :-1] == eos_id
+    return np.cumsum(starts, axis=1)
+
+
 def document_positions(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     """``[m, s+1]`` tokens -> ``[m, s]`` positions of the inputs ``tokens[:, :-1]``.
 

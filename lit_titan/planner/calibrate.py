@@ -126,7 +126,14 @@ def predict_memory(cfg) -> int:
     return estimate.rank_memory(
         s["args"], dims, s["layout"], precision=s["precision"], seq_len=s["seq_len"], micro_batch=micro,
         pp_microbatches=s["m"], stages_per_rank=s["v"], accumulation=max(s["gb"] // (dims.dp * s["local"]), 1),
-        reshard_after_forward=s["reshard"], grad_reduce_scatter=s["grs"])["max_total_bytes"]
+        reshard_after_forward=s["reshard"], grad_reduce_scatter=s["grs"],
+        loss_chunk_tokens=_loss_chunk(cfg, s["args"]))["max_total_bytes"]
+
+
+def _loss_chunk(cfg, args) -> int:
+    from lit_titan.loss import resolve_chunk_tokens
+
+    return resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
 
 
 def fit(runs: list[dict[str, Any]], base: Efficiencies = estimate.DEFAULT_EFFICIENCIES) -> Efficiencies:

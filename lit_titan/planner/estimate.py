@@ -20,7 +20,8 @@ autograd keeps per block:
 
 plus, once, the recomputation peak of one block (its `none` size) when checkpointing, the
 embedding output 2*s*b*h/(t*cp), and the loss: fp32 log-probabilities and their gradient,
-8*s*b*V/(t*cp) on the rank holding the output head. Under pipeline parallelism (p ranks, v
+8*s*b*V/(t*cp) on the rank holding the output head, or with the chunked loss (``loss.chunk_tokens=c``,
+on by default at vocabularies >= 32K) those of one chunk, 8*min(c, s*b/cp)*V/t. Under pipeline parallelism (p ranks, v
 stages per rank, micro-batch b = local batch / pp_microbatches) the first pipeline rank holds the
 activations of L*(1 + (p-1)/(p*v)) blocks for v > 1 (1F1B, v = 1: L blocks) (Korthikanti et al., sec. 4.2.3;
 Narayanan et al. 2021 for the interleaved schedule), never more than the blocks of m in-flight
@@ -104,8 +105,8 @@ def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str)
 
 
 def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, every_n_layers: int,
-                     layers_on_rank: int, has_output: bool, pp_microbatches: int, stages_per_rank: int
-                     ) -> dict[str, Any]:
+                     layers_on_rank: int, has_output: bool, pp_microbatches: int, stages_per_rank: int,
+                     loss_chunk_tokens: int = 0) -> dict[str, Any]:
     t, cp, p, v = dims.tp, dims.cp, dims.pp, stages_per_rank
     s, b = seq_len, micro_batch
     if mode == "selective_layer":
@@ -124,7 +125,9 @@ def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, e
     blocks = per_block * in_flight
     recompute_peak = per_block_activation_bytes(args, s, b, t, cp, "none") if mode != "none" else 0.0
     embedding = 2 * s * b * args.dim / (t * cp)
-    loss = 8 * s * b * args.vocab_size / (t * cp) if has_output else 0.0
+    # The loss's tokens per rank: all of them, or one chunk at a time (loss.chunk_tokens, lit_titan/loss.py).
+    loss_tokens = s * b / cp if not loss_chunk_tokens else min(loss_chunk_tokens, s * b / cp)
+    loss = 8 * loss_tokens * args.vocab_size / t if has_output else 0.0
     total = blocks + recompute_peak + embedding + loss
     return {"total": int(total), "blocks": int(blocks), "blocks_in_flight": in_flight,
             "per_block": int(per_block), "recompute_peak": int(recompute_peak), "embedding": int(embedding),
@@ -262,7 +265,7 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
 
 def rank_memory(args, dims, layout, *, precision: str, seq_len: int, micro_batch: int, pp_microbatches: int,
                 stages_per_rank: int, accumulation: int, reshard_after_forward: bool,
-                grad_reduce_scatter: str) -> dict[str, Any]:
+                grad_reduce_scatter: str, loss_chunk_tokens: int = 0) -> dict[str, Any]:
     """Per-rank memory of a layout: rank 0's breakdown, every pipeline rank's total, and the maximum.
 
     One function for both the one-layout plan (``layout`` measured on the meta model) and the search
@@ -279,7 +282,7 @@ def rank_memory(args, dims, layout, *, precision: str, seq_len: int, micro_batch
         return activation_bytes(args, dims, seq_len=seq_len, micro_batch=micro_batch, mode=layout.ac_mode,
                                 every_n_layers=layout.ac_every_n_layers, layers_on_rank=layers,
                                 has_output=has_output, pp_microbatches=pp_microbatches,
-                                stages_per_rank=stages_per_rank)
+                                stages_per_rank=stages_per_rank, loss_chunk_tokens=loss_chunk_tokens)
 
     act0 = acts(layout.layers_on_rank, layout.pp_rank_has_output[0])
     total0 = param_bytes + grad_bytes + optimizer_bytes + act0["total"] + buffers

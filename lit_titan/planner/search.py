@@ -137,7 +137,7 @@ def _batch_options(dims: ParallelDims, local: int, n_units: int, fp8: bool) -> l
 
 def evaluate(cands: list[Candidate], args, cluster: dict[str, Any], *, precision: str, seq_len: int,
              global_batch: int, flops_per_token: float, eff: estimate.Efficiencies, optimizer: str,
-             reshard_after_forward: bool = True) -> None:
+             reshard_after_forward: bool = True, loss_chunk_tokens: int = 0) -> None:
     """Fill each candidate's memory and (when it fits) predicted step; layouts are built once per mesh."""
     layouts: dict[tuple, Any] = {}
     capacity = _capacity(cluster)
@@ -150,7 +150,8 @@ def evaluate(cands: list[Candidate], args, cluster: dict[str, Any], *, precision
         c.memory = estimate.rank_memory(
             args, c.dims, layout, precision=precision, seq_len=seq_len, micro_batch=c.micro_batch,
             pp_microbatches=c.pp_microbatches, stages_per_rank=c.stages_per_rank, accumulation=c.accumulation,
-            reshard_after_forward=reshard_after_forward, grad_reduce_scatter=c.grad_reduce_scatter)
+            reshard_after_forward=reshard_after_forward, grad_reduce_scatter=c.grad_reduce_scatter,
+            loss_chunk_tokens=loss_chunk_tokens)
         if capacity is not None and c.memory["max_total_bytes"] > capacity:
             continue
         c.perf = estimate.step_time(
@@ -187,8 +188,11 @@ def search(cfg: DictConfig, overrides: list[str], *, eff: estimate.Efficiencies 
     cands = enumerate_layouts(args, world=world, seq_len=seq_len, global_batch=global_batch,
                               gpus_per_node=int(cluster.get("gpus_per_node") or cluster.get("devices") or 1),
                               fp8=bool(cluster.get("fp8")))
+    from lit_titan.loss import resolve_chunk_tokens
+
+    loss_chunk = resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
     evaluate(cands, args, cluster, precision=precision, seq_len=seq_len, global_batch=global_batch,
-             flops_per_token=fpt, eff=eff, optimizer=optimizer)
+             flops_per_token=fpt, eff=eff, optimizer=optimizer, loss_chunk_tokens=loss_chunk)
     fitting = sorted((c for c in cands if c.perf), key=lambda c: (-c.tokens_per_sec, c.float8,
                                                                        c.memory["max_total_bytes"]))
     callbacks = list((cfg.get("callbacks") or {}).keys())

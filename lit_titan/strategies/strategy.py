@@ -423,10 +423,10 @@ class TitanStrategy(ModelParallelStrategy):
                 # collective, so only on logging steps. Other steps return this stage's loss (zero
                 # off the last stage), which nothing but the logger reads.
                 loss = self.pipeline.train_step(local_inputs, local_labels, module.compute_loss,
-                                                accumulation=accumulation,
+                                                accumulation=accumulation, loss_in_model=module.loss_in_model,
                                                 sum_over_stages=is_logging_step(module.trainer, module.global_step + 1))
             else:
-                loss = module.compute_loss(module(local_inputs), local_labels)
+                loss = module.model_loss(local_inputs, local_labels)
             module.record_train_loss(loss, inputs)
             return loss
 
@@ -437,9 +437,9 @@ class TitanStrategy(ModelParallelStrategy):
             module = self.lightning_module
             inputs, labels = self._shard_sequence(*module.split_batch(args[0]))
             if self.pipeline is not None:
-                loss = self.pipeline.eval_step(inputs, labels, module.compute_loss)
+                loss = self.pipeline.eval_step(inputs, labels, module.compute_loss, loss_in_model=module.loss_in_model)
             else:
-                loss = module.compute_loss(module(inputs), labels)
+                loss = module.model_loss(inputs, labels)
             module.record_val_loss(loss)
             return loss
 

@@ -61,6 +61,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: ParallelPlan, loss_pa
 
     for module, styles in tp_plans(model, plan, loss_parallel, rewrites):
         parallelize_module(module, tp_mesh, styles)
+    # Each style replaced its module's parameters with new DTensors, which unties weights the model
+    # shares (tied embeddings); a model that has such weights re-ties them (same placements).
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
 
 
 def _join(prefix: str, path: str) -> str:

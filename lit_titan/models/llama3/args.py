@@ -1,4 +1,4 @@
-"""Llama 3.1 hyper-parameters and the named flavors."""
+"""Llama 3.1 / 3.2 hyper-parameters and the named flavors."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ class ModelArgs:
     max_seq_len: int = 131072
     # Scale the std of output projections by depth (TorchTitan's depth_init).
     depth_init: bool = True
+    # One weight for the input embedding and the output head (Llama 3.2 1B/3B).
+    tie_embeddings: bool = False
+    # Attention kernel: sdpa | flex (models/llama3/attention.py); same numerics, flex skips masked blocks.
+    attention: str = "sdpa"
 
     @property
     def kv_heads(self) -> int:
@@ -61,6 +65,8 @@ class ModelArgs:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.kv_heads}")
+        if self.attention not in ("sdpa", "flex"):
+            raise ValueError(f"model.attention={self.attention!r}; choose sdpa or flex")
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
 
@@ -81,6 +87,21 @@ FLAVORS: dict[str, ModelArgs] = {
         dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
     ),
 }
+
+
+# Llama 3.2 (text): rotary scaling factor 32 from 8K, tied embeddings (Meta's params.json / HF config).
+_LLAMA32_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=8192)
+FLAVORS.update({
+    "llama3_2_1b": ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+        rope_scaling=_LLAMA32_ROPE, tie_embeddings=True,
+    ),
+    "llama3_2_3b": ModelArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+        rope_scaling=_LLAMA32_ROPE, tie_embeddings=True,
+    ),
+})
 
 
 def get_flavor(name: str, **overrides: Any) -> ModelArgs:

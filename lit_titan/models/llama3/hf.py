@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -110,8 +111,12 @@ def from_hf_tensor(hf_name: str, tensor: Tensor, n_heads: int, n_kv_heads: int) 
 
 
 def to_hf_state_dict(state_dict: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Our full state dict -> HF's (names and q/k permutation)."""
-    return dict(to_hf_tensor(k, v, args) for k, v in state_dict.items())
+    """Our full state dict -> HF's (names and q/k permutation); a tied head is not stored (HF ties it)."""
+    return dict(to_hf_tensor(k, v, args) for k, v in state_dict.items() if not _tied_head(k, args))
+
+
+def _tied_head(name: str, args: ModelArgs) -> bool:
+    return args.tie_embeddings and canonical_name(name) == "output.weight"
 
 
 # ---- config.json ---------------------------------------------------------------------------------
@@ -149,7 +154,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, 
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": 0.02,
         "use_cache": True,
         "torch_dtype": dtype_name,  # transformers < 5
@@ -193,7 +198,7 @@ def config_mismatches(config: dict[str, Any], args: ModelArgs) -> tuple[dict[str
     """Differences between a HF config.json and ``args``.
 
     Returns (``model.KEY`` overrides that fix them, differences in values that have no override
-    (norm eps, rotary settings: another flavor may match), features lit-titan's Llama lacks).
+    (a rotary type other than Llama 3's), features lit-titan's Llama lacks).
     """
     fixes: dict[str, Any] = {}
     problems: list[str] = []
@@ -204,6 +209,10 @@ def config_mismatches(config: dict[str, Any], args: ModelArgs) -> tuple[dict[str
     current = {"vocab_size": args.vocab_size, "dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
                "n_kv_heads": args.kv_heads}
     fixes.update({k: v for k, v in wanted.items() if current[k] != v})
+    # A tied file loads into an untied model (the head starts as a copy of the embedding), but one
+    # weight cannot hold a file's two different ones.
+    if args.tie_embeddings and not config.get("tie_word_embeddings", False):
+        fixes["tie_embeddings"] = "false"
     intermediate = int(config["intermediate_size"])
     if args.with_overrides(dim=wanted["dim"]).ffn_hidden_dim != intermediate:
         fixes.update(_ffn_overrides(wanted["dim"], intermediate, args))
@@ -217,22 +226,26 @@ def config_mismatches(config: dict[str, Any], args: ModelArgs) -> tuple[dict[str
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             problems.append(f"{key}=true (lit-titan's Llama has no biases)")
-    return fixes, _numeric_mismatches(config, args), problems
+    numeric, no_override = _numeric_fixes(config, args)
+    fixes.update(numeric)
+    return fixes, no_override, problems
 
 
-def _numeric_mismatches(config: dict[str, Any], args: ModelArgs) -> list[str]:
-    problems = []
+def _numeric_fixes(config: dict[str, Any], args: ModelArgs) -> tuple[dict[str, Any], list[str]]:
+    """(``model.*`` overrides for norm eps and rotary settings, a rotary type we lack)."""
+    fixes: dict[str, Any] = {}
     eps = config.get("rms_norm_eps")
     if eps is not None and not math.isclose(float(eps), args.norm_eps, rel_tol=1e-9):
-        problems.append(f"rms_norm_eps={eps} (ours: norm_eps={args.norm_eps})")
+        fixes["norm_eps"] = float(eps)
     theta, scaling, unsupported = _hf_rope(config)
     if theta is not None and not math.isclose(float(theta), args.rope_theta, rel_tol=1e-9):
-        problems.append(f"rope_theta={theta} (ours: {args.rope_theta})")
+        fixes["rope_theta"] = float(theta)
     if unsupported:
-        problems.append(f"rope type {unsupported!r} (only Llama 3.1's 'llama3' scaling or none is supported)")
-    elif scaling != args.rope_scaling:
-        problems.append(f"rope_scaling={scaling} (ours: {args.rope_scaling})")
-    return problems
+        return fixes, [f"rope type {unsupported!r} (only Llama 3's 'llama3' scaling or none is supported)"]
+    if scaling != args.rope_scaling:
+        fixes["rope_scaling"] = "null" if scaling is None else (
+            "{" + ", ".join(f"{k}: {v}" for k, v in asdict(scaling).items()) + "}")
+    return fixes, []
 
 
 # ---- the directory -------------------------------------------------------------------------------
@@ -440,5 +453,7 @@ def write_index(out: Path, weight_map: dict[str, str], total_size: int) -> None:
 def iter_hf_tensors(state_dict: dict[str, Tensor], args: ModelArgs, dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
     """(HF name, contiguous tensor in ``dtype``) for each of our full parameters."""
     for name, tensor in state_dict.items():
+        if _tied_head(name, args):
+            continue
         hf_name, hf_tensor = to_hf_tensor(name, tensor, args)
         yield hf_name, hf_tensor.to(dtype).contiguous()

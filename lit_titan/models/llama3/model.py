@@ -1,4 +1,4 @@
-"""Llama 3.1 as a plain nn.Module: no parallelism in here.
+"""Llama 3.1 / 3.2 as a plain nn.Module: no parallelism in here.
 
 Parallel code elsewhere relies on three properties of this file:
 - blocks live in an ``nn.ModuleDict`` keyed "0".."n-1", and ``tok_embeddings``, ``norm`` and
@@ -12,11 +12,14 @@ Parallel code elsewhere relies on three properties of this file:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_titan.loss import chunked_cross_entropy
+from lit_titan.models.llama3.attention import attention, attention_mask
 from lit_titan.models.init import InitFn, canonical_name, normal, ones, seeded_init_
 from lit_titan.models.llama3.args import ModelArgs, RopeScaling
 
@@ -61,13 +64,14 @@ def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class CoreAttention(nn.Module):
     """Causal grouped-query attention: q [b, heads, s, d], k/v [b, kv_heads, s, d].
 
-    K/V stay at kv_heads width: SDPA's ``enable_gqa`` (torch >= 2.5) shares each K/V head among
-    its query heads inside the kernel, so no [b, heads, s, d] copy of K and V is made (nor saved
-    for backward). A module, so context parallelism can swap it and communicate kv_heads too.
+    Goes through the one entry point (``attention.attention``): SDPA with ``enable_gqa`` (torch
+    >= 2.5), so K/V are never copied to query-head width nor saved for backward at that width, or
+    FlexAttention with a block mask (``model.attention=flex``, document masking). A module, so
+    context parallelism can swap it and communicate kv_heads too.
     """
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Any = None) -> Tensor:
+        return attention(q, k, v, mask)
 
 
 class Attention(nn.Module):
@@ -80,14 +84,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.core = CoreAttention()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any = None) -> Tensor:
         bs, seqlen, _ = x.shape
         # -1, not n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        # No mask argument for plain causal attention: context parallelism's core takes (q, k, v).
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -112,9 +118,30 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any = None) -> Tensor:
+        # mask as a keyword: TP's PrepareModuleInput maps the positional (x, cos, sin) only.
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+class OutputHead(nn.Linear):
+    """The LM head: logits, or (given labels) the mean next-token loss computed in token chunks.
+
+    Computing the loss inside the head's own forward keeps one module call per step, so FSDP
+    gathers the weight once and TP's style wraps the whole loss; ``chunk_tokens`` (0: off) is a
+    setting of the run, not of the architecture (``loss.chunk_tokens``).
+    """
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+        self.chunk_tokens = 0
+
+    def forward(self, h: Tensor, labels: Tensor | None = None) -> Tensor:
+        if labels is None:
+            return super().forward(h)
+        if self.chunk_tokens > 0:
+            return chunked_cross_entropy(h, self.weight, labels, self.chunk_tokens)
+        return F.cross_entropy(super().forward(h).flatten(0, -2).float(), labels.flatten())
 
 
 class Transformer(nn.Module):
@@ -125,35 +152,58 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size)
+        if args.tie_embeddings:
+            self.tie_weights()
         # Not persistent: derived from args, so checkpoints hold only learned weights.
         cos, sin = rope_tables(args, device="meta" if _on_meta() else None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, labels: Tensor | None = None,
+                documents: Tensor | None = None) -> Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] on a pipeline stage without the embedding).
 
         ``positions`` ([s] or [b, s]) are the tokens' places in the original sequence; they default
-        to 0..s-1 and differ only when the sequence is split (context parallelism).
+        to 0..s-1 and differ when the sequence is split (context parallelism) or restart per
+        document. With ``labels`` [b, s] the model with the head returns the mean next-token loss
+        (chunked per ``output.chunk_tokens``) instead of logits, so full logits need never exist.
+        ``documents`` [b, s] (document index per token) makes attention block-causal: no token
+        attends across a document boundary.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             cos, sin = self.rope_cos[: tokens.shape[1]], self.rope_sin[: tokens.shape[1]]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = None
+        if documents is not None or self.args.attention != "sdpa":
+            mask = attention_mask(self.args.attention, documents, tokens.shape[1], h.device)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if labels is None else self.output(h, labels=labels)
+
+    def tie_weights(self) -> None:
+        """Make the head use the embedding's weight (``args.tie_embeddings``).
+
+        Called again by tensor parallelism after it replaced both with DTensors: the embedding
+        (RowwiseParallel) and the head (ColwiseParallel) shard the [vocab, dim] weight the same way,
+        ``Shard(0)``, so one DTensor serves both.
+        """
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     # ---- materialisation ------------------------------------------------------------------------
     def init_fn(self, name: str) -> InitFn:
         """The initialiser of one parameter, by its canonical name (TorchTitan's scheme)."""
         args = self.args
         if name.startswith("tok_embeddings."):
-            return normal(1.0)
+            # Tied, it is also the head: the head's scale keeps the initial logits O(1).
+            return normal(args.dim**-0.5, trunc=3.0) if args.tie_embeddings else normal(1.0)
         if name.startswith("output."):
             return normal(args.dim**-0.5, trunc=3.0)
         if name.endswith("norm.weight"):
@@ -174,6 +224,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
         """Fill every parameter (sharded or not) from (seed, name) and rebuild the rope tables."""
+        # ``to_empty`` (meta -> device) gives each module a new Parameter, which unties shared weights.
+        self.tie_weights()
         for name, param in self.named_parameters():
             canon = canonical_name(name)
             seeded_init_(param, canon, seed, self.init_fn(canon))

@@ -7,6 +7,8 @@ crashes in backward and FSDP x TP x compile trains silently wrong (shared/design
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from lit_titan.models.llama3.model import Transformer
@@ -24,12 +26,36 @@ def tp_root(model: nn.Module, loss_parallel: bool) -> dict:
     if model.norm is not None:
         plan["norm"] = SequenceParallel()
     if model.output is not None:
-        plan["output"] = ColwiseParallel(
+        plan["output"] = LossHeadColwise(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
     return plan
+
+
+@functools.cache
+def _loss_head_style() -> type:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class LossHeadColwise(ColwiseParallel):
+        """ColwiseParallel for a head that returns logits or, given labels, a scalar loss.
+
+        The loss (a Replicate DTensor under loss parallel) is handed back as a plain tensor
+        instead of being redistributed to the logits' layout, which a 0-d tensor cannot take.
+        """
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            if outputs.ndim == 0:
+                return outputs.full_tensor()
+            return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+    return LossHeadColwise
+
+
+def LossHeadColwise(**kwargs):  # noqa: N802 - a style constructor, named like one
+    return _loss_head_style()(**kwargs)
 
 
 def tp_block(block: nn.Module) -> dict:
@@ -62,11 +88,14 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def fsdp_units(model: nn.Module) -> list:
+    # Tied embeddings: the one weight stays with the root unit (an FSDP unit each for the embedding
+    # and the head would shard, gather and reduce the same parameter twice).
+    tied = model.args.tie_embeddings
     units: list = []
-    if model.tok_embeddings is not None:
+    if model.tok_embeddings is not None and not tied:
         units.append(model.tok_embeddings)
     units.extend(model.layers.values())
-    tail = [m for m in (model.norm, model.output) if m is not None]
+    tail = [m for m in (model.norm, None if tied else model.output) if m is not None]
     if tail:
         units.append(tail)
     return units

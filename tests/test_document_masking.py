@@ -1,0 +1,115 @@
+"""Document masking (issue 20 item 2): block-causal attention from the document boundaries.
+
+A packed sequence gives each document the per-token losses it has alone; SDPA (dense mask) and
+FlexAttention (block mask) agree; it trains the same under FSDP x TP; PP/CP and flex-on-CPU are
+refused with one line before any work."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import TINY, assert_losses_match, losses
+from lit_titan.config import ConfigError, compose, validate
+from lit_titan.data.documents import document_ids, document_positions
+from lit_titan.models.llama3 import Transformer, get_flavor
+
+EOS = 0
+# Two packed samples of 3 and 2 documents (EOS ends a document; the next token starts one).
+ROWS = [[5, 6, 7, EOS, 9, 10, 11, 12, 13, EOS, 20, 21, 22, 23, 24, 25, 26],
+        [30, 31, 32, 33, 34, 35, 36, EOS, 40, 41, 42, 43, 44, 45, 46, 47, 48]]
+
+
+def _model(attention="sdpa", seed=0):
+    args = get_flavor("llama3_debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                      attention=attention, max_seq_len=64)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    with torch.no_grad():  # sharpen attention so that what a token attends to weighs in the logits
+        for layer in model.layers.values():
+            layer.attention.wq.weight.mul_(10.0)
+            layer.attention.wk.weight.mul_(10.0)
+    return model
+
+
+def _batch():
+    tokens = np.array(ROWS)
+    return (torch.from_numpy(tokens), torch.from_numpy(document_positions(tokens, EOS)),
+            torch.from_numpy(document_ids(tokens, EOS)))
+
+
+def test_document_ids_follow_eos():
+    _, positions, docs = _batch()
+    assert docs[0].tolist() == [0] * 4 + [1] * 6 + [2] * 6
+    assert docs[1].tolist() == [0] * 8 + [1] * 8
+    assert ((positions == 0) == torch.cat([torch.ones(2, 1, dtype=torch.bool), docs[:, 1:] != docs[:, :-1]], 1)).all()
+
+
+def _per_token_losses(model, tokens, positions=None, documents=None):
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        logits = model(inputs, positions, documents=documents)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(labels.shape)
+
+
+@pytest.mark.parametrize("restart_positions", [True, False], ids=["positions-restart", "positions-continue"])
+def test_packed_losses_equal_each_document_alone(restart_positions):
+    model = _model()
+    tokens, positions, docs = _batch()
+    packed = _per_token_losses(model, tokens, positions if restart_positions else None, docs)
+    unmasked = _per_token_losses(model, tokens, positions if restart_positions else None, None)
+    for r in range(tokens.shape[0]):
+        for d in docs[r].unique().tolist():
+            idx = (docs[r] == d).nonzero().flatten()
+            a, b = int(idx[0]), int(idx[-1]) + 1
+            # the document alone: its tokens plus the label after its last input (the next document's first)
+            alone = _per_token_losses(model, tokens[r : r + 1, a : b + 1])[0]
+            torch.testing.assert_close(packed[r, a:b], alone, rtol=1e-5, atol=1e-5)
+            if a > 0:  # sensitivity: without the mask a later document sees the earlier ones
+                assert (unmasked[r, a:b] - alone).abs().max() > 1e-3
+
+
+def test_flex_equals_sdpa_dense_mask():
+    """Forward only: torch 2.15 has no flex_attention backward on CPU."""
+    sdpa, flex = _model("sdpa"), _model("flex")
+    tokens, positions, docs = _batch()
+    for documents in (docs, None):
+        torch.testing.assert_close(_per_token_losses(flex, tokens, positions, documents),
+                                   _per_token_losses(sdpa, tokens, positions, documents), rtol=1e-5, atol=1e-5)
+
+
+def test_grads_flow_with_the_dense_mask():
+    model = _model()
+    tokens, positions, docs = _batch()
+    loss = model(tokens[:, :-1], positions, labels=tokens[:, 1:], documents=docs)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["cluster.devices=2", "parallel.cp=2"], "data.document_masking=true is not supported with parallel.pp > 1 or parallel.cp > 1"),
+    (["cluster.devices=2", "parallel.pp=2"], "data.document_masking=true is not supported with parallel.pp > 1 or parallel.cp > 1"),
+    (["model.attention=flex"], "model.attention=flex cannot train on CPU"),
+], ids=["cp", "pp", "flex-on-cpu"])
+def test_refused_with_one_line(extra, needle):
+    with pytest.raises(ConfigError) as info:
+        validate(compose([*TINY, "data.document_masking=true", *extra]))
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+# ---- training: masked under FSDP x TP equals one process; and the mask changes training ---------
+STEPS = 3
+MASKED = [*TINY, "data.seq_len=128", f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true",
+          "data.document_positions=true"]
+
+
+@pytest.mark.slow
+def test_masked_training_matches_single_process_under_fsdp_x_tp(tmp_path, worlds):
+    worlds.train([*MASKED, "data.document_masking=true", "cluster.devices=1"], tmp_path / "one")
+    worlds.train([*MASKED, "data.document_masking=true", "cluster.devices=4", "parallel.tp=2"], tmp_path / "dp2tp2")
+    worlds.train([*MASKED, "data.document_masking=false", "cluster.devices=1"], tmp_path / "unmasked")
+    assert_losses_match(losses(tmp_path / "dp2tp2"), losses(tmp_path / "one"), rtol=1e-5)
+    # the data held document boundaries and the mask acted on them
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "unmasked"))) > 1e-6
