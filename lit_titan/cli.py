@@ -28,7 +28,7 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
 
 
 def _is_rank_zero() -> bool:
-    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def main(argv: list[str] | None = None) -> None:

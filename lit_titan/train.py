@@ -42,7 +42,8 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
 
 
 def is_launcher_rank_zero() -> bool:
-    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+    # srun starts every task itself and sets only SLURM_PROCID (Lightning's SLURMEnvironment reads it).
+    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
