@@ -84,10 +84,12 @@ def _printed(overrides: list[str], cwd: Path) -> str:
 
 
 def _bin_dir(tmp_path: Path) -> Path:
-    """``srun`` (the stand-in) and, where this environment lacks it, ``torchrun``, on PATH."""
+    """``srun`` (the stand-in), ``python`` (this interpreter, as the job's environment would put first)
+    and, where this environment lacks it, ``torchrun``, on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    shims = {"srun": f'exec {sys.executable} {SCRIPTS / "fake_slurm.py"} srun "$@"'}
+    shims = {"srun": f'exec {sys.executable} {SCRIPTS / "fake_slurm.py"} srun "$@"',
+             "python": f'exec {sys.executable} "$@"'}
     if shutil.which("torchrun") is None:  # torch installed outside this venv's bin/
         shims["torchrun"] = f'exec {sys.executable} -m torch.distributed.run "$@"'
     for name, body in shims.items():
