@@ -179,6 +179,9 @@ def test_killed_rank_restarts_both_nodes_and_resumes(two_nodes, one_process, tmp
     assert all(n.returncode == 0 for n in nodes), out[-8000:]
     assert out.count("fault injection: killing rank 3") == 1
     assert f"resuming from {run_dir / 'checkpoints' / 'step-000003'}" in out
+    # One restart, and no rank of it read a dead attempt's rendezvous keys (what per-agent restart
+    # counts led to: node 0's ranks failed in connectFullMesh and the job needed another attempt).
+    assert out.count("resume=auto: resuming from") == 1 and "connectFullMesh" not in out, out[-8000:]
     again = _topology(run_dir, attempt=1)
     assert [r["rank"] for r in again] == [0, 1, 2, 3] and {r["attempt"] for r in again} == {1}
     assert [int(r["step"]) for r in read_metrics(run_dir)] == list(range(EVERY, STEPS))
@@ -240,6 +243,8 @@ def test_printed_commands_find_node_zero_and_agree_on_run_dir():
     assert "run_dir=runs/llama3_debug-" in multi and "resume=auto" in multi  # pinned once, for every node
     gpu = launch_command(compose(["cluster=h100_64"]), ["cluster=h100_64"])
     assert "#SBATCH --gpus-per-node=8" in gpu and '"run_dir=runs/llama3_debug-$SLURM_JOB_ID"' in gpu
+    cpu = launch_command(compose([*HSDP, "cluster.launcher=srun"]), [*HSDP, "cluster.launcher=srun"])
+    assert "#SBATCH --nodes=2" in cpu and "#SBATCH --ntasks-per-node=2" in cpu and "--gpus-per-node" not in cpu
     own = launch_command(compose(["cluster=h100_64", "run_dir=/shared/a"]), ["cluster=h100_64", "run_dir=/shared/a"])
     assert "$SLURM_JOB_ID" not in own and "run_dir=/shared/a" in own
 
