@@ -34,7 +34,7 @@ COMMON = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "t
           "checkpoint.keep_last=0"]
 # 2 "nodes" x 2 processes: replicate across the nodes, shard inside each.
 HSDP = ["cluster.num_nodes=2", "cluster.devices=2", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
-NODE_TIMEOUT_S = 400
+NODE_TIMEOUT_S = 900  # per job; a loaded 2-core machine (CI + other jobs) took 250-460 s for one
 # Set in this process by in-process fits or our entry points; a node must not inherit them.
 _DROP = ("LIT_TITAN_RUN_DIR", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
          "GROUP_RANK", "LOCAL_WORLD_SIZE", "GLOBAL_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
