@@ -52,6 +52,13 @@ def _sbatch(script: str) -> int:
     return subprocess.run(["bash", script], env=env).returncode
 
 
+def _die_with_parent() -> None:
+    """A task outside our session would outlive a killed srun (a test's timeout): tie it to srun's life."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _srun(argv: list[str]) -> int:
     kill_on_bad_exit = False
     while argv and argv[0].startswith("-"):
@@ -68,7 +75,9 @@ def _srun(argv: list[str]) -> int:
                        SLURM_NODEID=str(node), SLURMD_NODENAME=nodes[node], SLURM_STEP_ID=step,
                        SLURM_STEP_NUM_TASKS=str(nnodes * per_node), SLURM_STEP_NUM_NODES=str(nnodes),
                        SLURM_STEP_NODELIST=",".join(nodes[:nnodes]))
-            tasks.append(subprocess.Popen(argv, env=env))
+            # Each task in its own session, as torchrun starts its workers (and as separate nodes would be):
+            # with the kernel's autogroup scheduling, tasks sharing one session share one slice of the CPU.
+            tasks.append(subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent))
     failed = 0
     while None in (codes := [t.poll() for t in tasks]):  # poll every task: a list, not a short-circuit any()
         bad = [c for c in codes if c not in (None, 0)]
