@@ -1,6 +1,7 @@
 """Kill a rank on purpose, for tests and recovery drills (``fault.kill_rank``, ``fault.at_step``).
 
-Fires in the first attempt only (``TORCHELASTIC_RESTART_COUNT``/``LIT_TITAN_ATTEMPT`` 0 or unset), so a
+Fires in the first attempt only (under torchrun the attempt all nodes agree on, ``TitanStrategy.restart_attempt``;
+else ``TORCHELASTIC_RESTART_COUNT``/``LIT_TITAN_ATTEMPT`` 0 or unset), so a
 job launched with ``torchrun --max-restarts=N`` dies once, restarts, resumes from the newest
 complete checkpoint and finishes. ``during_save`` kills the rank while the checkpoint of
 ``at_step`` is being written, i.e. after its shards started but before the save was published.
@@ -37,6 +38,11 @@ class FaultInjection(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._rank = trainer.global_rank
+        # Under torchrun the strategy knows the attempt every node agrees on; an agent's own
+        # TORCHELASTIC_RESTART_COUNT stays 0 when it restarted only because another node failed.
+        attempt = getattr(trainer.strategy, "restart_attempt", None)
+        if attempt is not None:
+            self.armed = attempt == 0
         if self.save_error is not None:
             trainer.strategy.checkpoint_writer.on_write_data.append(self._io_error)
         elif self.during_save:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import time
 from typing import Any
 
@@ -260,32 +259,3 @@ def render_table(plan: dict[str, Any]) -> str:
     if plan.get("plan_path"):
         lines.append(f"wrote {plan['plan_path']}")
     return "\n".join(lines)
-
-
-def launch_command(cfg: DictConfig, overrides: list[str]) -> str:
-    """The command (one node: torchrun) or sbatch script (Slurm: srun) that starts training on the profile.
-
-    Both restart a failed job up to ``cluster.max_restarts`` times (default 3) with ``resume=auto``,
-    so each attempt continues from the newest complete checkpoint (docs/fault_tolerance.md).
-    """
-    c = cfg.cluster
-    if not any(o.split("=", 1)[0].lstrip("+") == "resume" for o in overrides):
-        overrides = [*overrides, "resume=auto"]
-    args = " ".join(shlex.quote(o) for o in overrides)
-    nodes, per_node, restarts = int(c.num_nodes), int(c.devices), int(c.get("max_restarts", 3))
-    if c.get("launcher", "torchrun") == "srun":
-        return "\n".join([
-            "#!/bin/bash",
-            f"#SBATCH --job-name=lit-titan-{cfg.model.name}",
-            f"#SBATCH --nodes={nodes}",
-            f"#SBATCH --ntasks-per-node={per_node}",  # Lightning's SLURMEnvironment: one task per GPU
-            f"#SBATCH --gpus-per-node={per_node}",
-            "#SBATCH --exclusive",
-            "# run_dir must be on a shared filesystem: every attempt resumes from its checkpoints",
-            f"for attempt in $(seq 0 {restarts}); do",
-            f"  LIT_TITAN_ATTEMPT=$attempt srun --kill-on-bad-exit=1 python -m lit_titan.train {args} && exit 0",
-            "done",
-            "exit 1",
-        ])
-    return (f"torchrun --nnodes={nodes} --nproc_per_node={per_node} --max-restarts={restarts} --rdzv_backend=c10d "
-            f"--rdzv_endpoint=localhost:29500 -m lit_titan.train {args}").rstrip()

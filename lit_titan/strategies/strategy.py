@@ -32,6 +32,8 @@ from lit_titan.checkpoint import CheckpointWriter, load_sharded
 from lit_titan.log_cadence import amortise_sigterm_check, is_logging_step
 from lit_titan.observe.phases import phase
 from lit_titan.strategies.context_parallel import ContextParallel
+from lit_titan.strategies.elastic import init_process_group as init_elastic_process_group
+from lit_titan.strategies.elastic import under_torchelastic
 from lit_titan.strategies.fsdp import (
     GRAD_REDUCE_SCATTER,
     PP_LAST_MICROBATCH,
@@ -120,6 +122,8 @@ class TitanStrategy(ModelParallelStrategy):
         # Sharded, async, atomically published checkpoints (lit_titan.checkpoint); the
         # Checkpointing callback decides when to save and configures it.
         self.checkpoint_writer = CheckpointWriter()
+        # Under torchrun: which attempt this is, agreed by every node (None: not started by torchrun).
+        self.restart_attempt: int | None = None
 
     # ---- layout ---------------------------------------------------------------------------------
     def resolve_dims(self) -> ParallelDims:
@@ -212,31 +216,13 @@ class TitanStrategy(ModelParallelStrategy):
             self._saved_matmul_precision = None
 
     def _setup_distributed(self) -> None:
-        self._init_process_group_after_restart()
+        if not torch.distributed.is_initialized() and under_torchelastic():
+            # torchrun (one node or several): rendezvous in a store namespace that every node agrees
+            # is this attempt's (strategies/elastic.py says why torch's env:// is not enough).
+            self.restart_attempt = init_elastic_process_group(
+                self._get_process_group_backend(), self._timeout or default_pg_timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None)
         super()._setup_distributed()  # Lightning's: ranks, seeds; skips the init when already done
-
-    def _init_process_group_after_restart(self) -> None:
-        """Under a torchrun restart, rendezvous through a store namespaced by the attempt.
-
-        torchrun's agent keeps its store across restarts and, on torch 2.11-2.14, the workers'
-        process groups key their rendezvous identically in every attempt: a restarted rank may
-        read the dead attempt's address and fail in gloo's connectFullMesh (or hang in a later
-        ``new_group``); reproduced with a 10-line script. A ``PrefixStore`` per attempt gives the
-        default group and every sub-group fresh keys.
-        """
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        if not attempt or torch.distributed.is_initialized() or "MASTER_PORT" not in os.environ:
-            return
-        from torch.distributed import PrefixStore, TCPStore
-
-        world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        timeout = self._timeout or default_pg_timeout
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                         timeout=timeout)
-        torch.distributed.init_process_group(
-            self._get_process_group_backend(), store=PrefixStore(f"lit_titan/attempt_{attempt}/", store),
-            rank=rank, world_size=world_size, timeout=timeout,
-            device_id=self.root_device if self.root_device.type != "cpu" else None)
 
     def init_layout(self, dims: ParallelDims, device_type: str) -> None:
         """Mesh, its flattened views and the CP engine over the live process group.

@@ -1,0 +1,104 @@
+"""The command that starts ``lit_titan.train`` on a cluster profile, for people who start jobs by hand.
+
+- ``cluster.launcher: torchrun``: one ``torchrun`` agent per node. On one node it picks a free
+  rendezvous port; on several, every node runs the same line and finds node 0 through
+  ``$MASTER_ADDR`` (c10d rendezvous), so the line holds a ``$`` and runs under ``bash -c``.
+- ``cluster.launcher: srun``: an sbatch script whose ``srun`` starts one task per device on every
+  node; Lightning's ``SLURMEnvironment`` reads the ranks from ``SLURM_*``. The script restarts the
+  job (a new ``srun``) up to ``cluster.max_restarts`` times, each attempt resuming from the newest
+  checkpoint, and pins ``run_dir`` to the Slurm job id so that every task and attempt agrees on it.
+
+Ranks are node-major (torchrun and srun both number a node's ranks consecutively), and the mesh's
+inner dims (``dp_shard``, ``cp``, ``tp``) vary fastest, so a layout with ``dp_shard*cp*tp`` equal to
+the devices per node puts ``dp_replicate`` across nodes and everything else inside one
+(docs/launching.md, "Multi-node").
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+
+from omegaconf import DictConfig
+
+from lit_titan.errors import ConfigError
+
+LAUNCHERS = ("torchrun", "srun")
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def check_cluster(cfg: DictConfig) -> None:
+    """Refuse a profile whose nodes x devices cannot run the layout: one line naming the setting.
+
+    Checked before anything is printed or started (``lit-titan launch``, ``lit-titan plan --launch``).
+    """
+    c, p = cfg.cluster, cfg.parallel
+    launcher = c.get("launcher", "torchrun")
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"cluster.launcher={launcher!r} is not a launcher; choose one of {LAUNCHERS}")
+    nodes, per_node = int(c.num_nodes), int(c.devices)
+    if nodes < 1 or per_node < 1:
+        raise ConfigError(f"cluster.num_nodes={nodes} and cluster.devices={per_node} must both be >= 1")
+    gpus = c.get("gpus_per_node")
+    if c.accelerator == "gpu" and gpus is not None and per_node > int(gpus):
+        raise ConfigError(f"cluster.devices={per_node} processes per node, but the profile's nodes have "
+                          f"cluster.gpus_per_node={gpus} GPUs; set cluster.devices={gpus} (one process per GPU) "
+                          f"and raise cluster.num_nodes instead")
+    degrees = {k: int(p[k]) for k in DEGREES}
+    if degrees["dp_shard"] != -1:
+        product = 1
+        for v in degrees.values():
+            product *= v
+        if product != nodes * per_node:
+            shown = "*".join(f"{k}={v}" for k, v in degrees.items())
+            raise ConfigError(
+                f"cluster has {nodes} node(s) x {per_node} device(s) = {nodes * per_node} processes but the layout "
+                f"{shown} needs {product}; set cluster.num_nodes / cluster.devices to match, or "
+                f"parallel.dp_shard=-1 to take the ranks left")
+
+
+def launch_command(cfg: DictConfig, overrides: list[str]) -> str:
+    """The command (torchrun) or sbatch script (srun) that starts training on the profile.
+
+    Both restart a failed job up to ``cluster.max_restarts`` times (default 3) with ``resume=auto``,
+    so each attempt continues from the newest complete checkpoint (docs/fault_tolerance.md).
+    """
+    check_cluster(cfg)
+    c = cfg.cluster
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    if "resume" not in keys:
+        overrides = [*overrides, "resume=auto"]
+    if c.get("launcher", "torchrun") == "torchrun" and "run_dir" not in keys:
+        # Every node (and every restart) must write to the same run_dir; torchrun's run id defaults
+        # to "none", so pin it here: running the printed line again continues this job (resume=auto).
+        overrides = [*overrides, f"run_dir=runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    args = " ".join(shlex.quote(o) for o in overrides)
+    nodes, per_node, restarts = int(c.num_nodes), int(c.devices), int(c.get("max_restarts", 3))
+    if c.get("launcher", "torchrun") == "srun":
+        # Each srun task composes its own run directory: without run_dir= they would disagree, and a
+        # later attempt would not find the checkpoints to resume from. Double quotes: $SLURM_JOB_ID expands.
+        run_dir = "" if "run_dir" in keys else f' "run_dir=runs/{cfg.model.name}-$SLURM_JOB_ID"'
+        lines = [
+            "#!/bin/bash",
+            f"#SBATCH --job-name=lit-titan-{cfg.model.name}",
+            f"#SBATCH --nodes={nodes}",
+            f"#SBATCH --ntasks-per-node={per_node}",  # Lightning's SLURMEnvironment: one task per device
+        ]
+        if c.accelerator == "gpu":  # a CPU partition has no GPUs to ask for: Slurm would refuse the job
+            lines.append(f"#SBATCH --gpus-per-node={per_node}")
+        lines += [
+            "#SBATCH --exclusive",
+            "# run_dir must be on a shared filesystem: every attempt resumes from its checkpoints",
+            f"for attempt in $(seq 0 {restarts}); do",
+            f"  LIT_TITAN_ATTEMPT=$attempt srun --kill-on-bad-exit=1 python -m lit_titan.train {args}{run_dir} "
+            "&& exit 0",
+            "done",
+            "exit 1",
+        ]
+        return "\n".join(lines)
+    head = f"torchrun --nnodes={nodes} --nproc_per_node={per_node} --max-restarts={restarts} --rdzv_backend=c10d"
+    if nodes == 1:  # port 0: the agent picks a free one, so two jobs on one machine do not collide
+        return f"{head} --rdzv_endpoint=localhost:0 -m lit_titan.train {args}".rstrip()
+    # Every node runs this same line; node 0's address comes from the environment (bash expands it).
+    endpoint = "${MASTER_ADDR:?set MASTER_ADDR to node 0}:${MASTER_PORT:-29500}"
+    return f"{head} --rdzv_endpoint={endpoint} --rdzv_id=lit-titan -m lit_titan.train {args}".rstrip()
