@@ -195,7 +195,15 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
         enable_checkpointing=False, use_distributed_sampler=False,  # Checkpointing replaces ModelCheckpoint
         enable_model_summary=False, profiler=_instantiate(cfg.profiler) if cfg.get("profiler") else None,
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    # Lightning picks MASTER_ADDR/PORT for a job it launches and leaves them in this process; a later
+    # in-process run (notebooks, tests) must pick its own, or it may meet a port an earlier store holds.
+    own_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    finally:
+        for key, value in own_env.items():
+            if value is None:
+                os.environ.pop(key, None)
     return summary.summary
 
 

@@ -154,8 +154,11 @@ PLAN_8B = ["+recipe=llama3_8b_h100_8"]  # FSDP 8, micro-batch 1 x accumulation 2
 def test_planner_gradient_term_follows_the_option(tmp_path):
     from lit_titan.plan import make_plan
 
-    sharded = make_plan(PLAN_8B, write=False)
-    unsharded = make_plan([*PLAN_8B, "parallel.grad_reduce_scatter=last_microbatch"], write=False)
+    # the unchunked loss of issue 17's figures: with the chunked loss (issue 20, default at 128K vocab)
+    # the unsharded variant's 72.4 GiB fits, so the OOM below would not show
+    base = [*PLAN_8B, "loss.chunk_tokens=0"]
+    sharded = make_plan(base, write=False)
+    unsharded = make_plan([*base, "parallel.grad_reduce_scatter=last_microbatch"], write=False)
     assert sharded["perf"]["gradient_accumulation"] == 2
     s, u = sharded["per_rank"], unsharded["per_rank"]
     assert s["grad_bytes"] == s["param_bytes"] == sharded["params_total"] * 4 // 8  # fp32 shard
