@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,45 +44,34 @@ def _lines(fig: Figure, runs: list[Run], key: str, label: str | None = None) -> 
             fig.series[name] = {"x": [p[0] for p in points], "y": [p[1] for p in points]}
 
 
-def _per_rank(fig: Figure, run: Run, column: str, scale: float = 1.0, ratio_to: str | None = None) -> None:
+def _per_rank(fig: Figure, run: Run, value: Callable[[dict[str, float]], float | None]) -> None:
+    """One series per rank: ``value(row)`` per timeline row, rows where it is None left out."""
     for rank, rows in sorted(run.timeline.items()):
-        xs, ys = [], []
-        for row in rows:
-            if column not in row:
-                continue
-            value = row[column] * scale
-            if ratio_to:
-                if not row.get(ratio_to):
-                    continue
-                value = row[column] / row[ratio_to]
-            xs.append(int(row["step"]))
-            ys.append(value)
-        if xs:
-            fig.series[f"rank {rank}"] = {"x": xs, "y": ys}
+        points = [(int(row["step"]), v) for row in rows if (v := value(row)) is not None]
+        if points:
+            fig.series[f"rank {rank}"] = {"x": [p[0] for p in points], "y": [p[1] for p in points]}
+
+
+# (id, title, y label, metrics.csv keys): curves of every run, overlaid for a sweep
+METRIC_FIGURES = (
+    ("loss", "Loss", "loss", ("train/loss", "val/loss")),
+    ("lr", "Learning rate", "lr", ("train/lr",)),
+    ("grad_norm", "Gradient norm (before clipping)", "global L2 norm", ("train/grad_norm",)),
+    ("tokens_per_s", "Throughput", "tokens/s per device", ("perf/tokens_per_sec_per_device",)),
+    ("mfu", "Model FLOPs utilisation", "MFU", ("perf/mfu",)),
+)
 
 
 def build_figures(runs: list[Run]) -> list[Figure]:
     """Every figure the report shows, in order; for a sweep, metric curves of all runs overlaid."""
     figs = []
-    loss = Figure("loss", "Loss", "optimizer step", "loss")
-    _lines(loss, runs, "train/loss")
-    _lines(loss, runs, "val/loss")
-    figs.append(loss)
-    lr = Figure("lr", "Learning rate", "optimizer step", "lr")
-    _lines(lr, runs, "train/lr")
-    figs.append(lr)
-    grad = Figure("grad_norm", "Gradient norm (before clipping)", "optimizer step", "global L2 norm")
-    _lines(grad, runs, "train/grad_norm")
-    figs.append(grad)
-    tput = Figure("tokens_per_s", "Throughput", "optimizer step", "tokens/s per device")
-    _lines(tput, runs, "perf/tokens_per_sec_per_device")
-    figs.append(tput)
-    mfu = Figure("mfu", "Model FLOPs utilisation", "optimizer step", "MFU")
-    _lines(mfu, runs, "perf/mfu")
-    figs.append(mfu)
+    for fig_id, title, ylabel, keys in METRIC_FIGURES:
+        fig = Figure(fig_id, title, "optimizer step", ylabel)
+        for key in keys:
+            _lines(fig, runs, key)
+        figs.append(fig)
     if len(runs) == 1 and runs[0].timeline:
-        run = runs[0]
-        figs.extend(_timeline_figures(run))
+        figs.extend(_timeline_figures(runs[0]))
     for fig in figs:
         if not fig.empty:
             fig.svg = render(fig)
@@ -101,15 +91,12 @@ def _timeline_figures(run: Run) -> list[Figure]:
         if any(means):
             phases.series[name] = {"x": ranks, "y": means}
     data = Figure("data_wait", "Data wait fraction", "optimizer step", "data_s / wall_s")
-    _per_rank(data, run, "data_s", ratio_to="wall_s")
+    _per_rank(data, run, lambda r: r["data_s"] / r["wall_s"] if "data_s" in r and r.get("wall_s") else None)
     memory = Figure("memory", "Peak memory per rank", "optimizer step", "MiB (CUDA allocated, or CPU peak RSS)")
-    _per_rank(memory, run, "peak_mem_mib")
+    _per_rank(memory, run, lambda r: r.get("peak_mem_mib"))
     ckpt = Figure("checkpoint", "Training blocked by checkpoint saves", "optimizer step (after the save)",
                   "seconds")
-    for rank in ranks:
-        points = [(int(r["step"]), r["checkpoint_s"]) for r in run.timeline[rank] if r.get("checkpoint_s", 0) > 0]
-        if points:
-            ckpt.series[f"rank {rank}"] = {"x": [p[0] for p in points], "y": [p[1] for p in points]}
+    _per_rank(ckpt, run, lambda r: r["checkpoint_s"] if r.get("checkpoint_s", 0) > 0 else None)
     return [heat, phases, data, memory, ckpt]
 
 
