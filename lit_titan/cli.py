@@ -22,12 +22,13 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
     except user_errors as err:
         # An error every rank of the job raised together (e.g. a failed checkpoint save, agreed
         # collectively) is printed once, by the launcher's rank 0.
-        if not (getattr(err, "raised_on_every_rank", False) and not _is_rank_zero()):
+        if not (getattr(err, "raised_on_every_rank", False) and not is_launcher_rank_zero()):
             print(f"lit-titan: error: {err}", file=sys.stderr)
         sys.exit(2)
 
 
-def _is_rank_zero() -> bool:
+def is_launcher_rank_zero() -> bool:
+    """Rank 0 of the job under torchrun, Lightning's launcher, or Slurm/submitit tasks (SLURM_PROCID)."""
     return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 

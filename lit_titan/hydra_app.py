@@ -70,7 +70,7 @@ def run_app(argv: list[str]) -> dict[str, Any]:
     if multirun:
         hydra.multirun(config_name=config_name, task_function=task, overrides=[*overrides, "hydra.mode=MULTIRUN"])
         return {}
-    from lit_titan.train import is_launcher_rank_zero
+    from lit_titan.cli import is_launcher_rank_zero
 
     extra = ["hydra.mode=RUN"] + ([] if is_launcher_rank_zero() else ["hydra.output_subdir=null"])  # rank 0 records
     _outcome.clear()

@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.checkpoint import CheckpointError
+from lit_titan.cli import is_launcher_rank_zero
 from lit_titan.config import RUN_DIR_ENV, ConfigError, default_run_dir, model_overrides, to_yaml, validate
 from lit_titan.strategies.parallel_dims import LayoutError
 
@@ -30,11 +31,6 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
     path = Path(default_run_dir(cfg.run_dir, cfg.model.name)).expanduser().resolve()
     os.environ[RUN_DIR_ENV] = str(path)
     return path
-
-
-def is_launcher_rank_zero() -> bool:
-    """Rank 0 of the job under torchrun, Lightning's launcher, or Slurm/submitit tasks (SLURM_PROCID)."""
-    return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
