@@ -98,9 +98,14 @@ def test_a_save_blocks_training_for_about_one_copy_of_the_state(tmp_path):
     assert result["one_copy_bytes"] == first["state_bytes"]  # the baseline copies what a save stages
     assert first["allocated_bytes"] == first["state_bytes"] > 7e8  # the first save allocates the buffers...
     assert all(r["allocated_bytes"] == 0 for r in later)  # ...and the others reuse them
-    blocked = statistics.median(r["blocked_s"] for r in later)
-    one_copy = statistics.median(r["one_copy_s"] for r in later)
+    # Fastest against fastest: on 2 shared cores, noise (the previous save's writer thread, other
+    # tests) only adds time, to either side; the minimum of four estimates what a save costs.
+    # A blocking save would wait for the write (complete_s: 20-60 x one copy here).
+    blocked = min(r["blocked_s"] for r in later)
+    one_copy = min(r["one_copy_s"] for r in later)
     assert blocked <= 1.5 * one_copy, proc.stdout[-3000:]
+    assert statistics.median(r["blocked_s"] for r in later) <= 0.25 * statistics.median(
+        r["complete_s"] for r in later), proc.stdout[-3000:]
     assert all(r["complete_s"] >= r["blocked_s"] for r in later)  # the write went on after training resumed
 
 
