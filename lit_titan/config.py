@@ -131,10 +131,10 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=seq_len,
                   global_batch_size=int(cfg.data.global_batch_size),
                   micro_batch_size=cfg.data.micro_batch_size)
-    if cfg.data.get("document_masking") and (dims.pp > 1 or dims.cp > 1):
-        raise ConfigError("data.document_masking=true is not supported with parallel.pp > 1 or parallel.cp > 1: "
-                          "the pipeline stages and CP's all-gather-KV attention receive no document ids (CP would "
-                          "also need the block mask split per chunk); set data.document_masking=false or pp=cp=1")
+    if cfg.data.get("document_masking") and dims.cp > 1:
+        raise ConfigError("data.document_masking=true is not supported with parallel.cp > 1: CP's all-gather-KV "
+                          "attention receives no document ids and would need the block mask split per chunk; "
+                          "set data.document_masking=false or parallel.cp=1")
     if args.attention == "flex" and str(cfg.cluster.get("accelerator", "")) == "cpu":
         raise ConfigError("model.attention=flex cannot train on CPU: torch's flex_attention has no CPU backward "
                           "(torch 2.15); use model.attention=sdpa (document masking then uses a dense mask) "
@@ -142,9 +142,9 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     if args.attention == "flex" and dims.cp > 1:
         raise ConfigError("model.attention=flex is not supported with parallel.cp > 1 (CP's attention is SDPA); "
                           "set model.attention=sdpa")
-    if cfg.data.get("document_positions") and (dims.pp > 1 or dims.cp > 1):
-        raise ConfigError("data.document_positions=true is not supported with parallel.pp > 1 or parallel.cp > 1 yet; "
-                          "set data.document_positions=false")
+    if cfg.data.get("document_positions") and dims.cp > 1:
+        raise ConfigError("data.document_positions=true is not supported with parallel.cp > 1 yet (CP shards the "
+                          "sequence and makes its own positions); set data.document_positions=false")
     if dims.pp > 1:
         micro = int(cfg.data.micro_batch_size or int(cfg.data.global_batch_size) // dims.dp)
         pipeline_config(cfg).validate(pp=dims.pp, n_units=args.n_layers + 2, local_batch=micro)

@@ -110,6 +110,17 @@ class PretrainModule(L.LightningModule):
     def forward(self, tokens: Tensor, positions: Tensor | None = None, documents: Tensor | None = None) -> Tensor:
         return self.model(tokens, positions) if documents is None else self.model(tokens, positions, documents=documents)
 
+    def unpack_batch(self, batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """A token batch, or ``{"tokens", "positions"?, "documents"?}`` (``data.document_positions`` /
+        ``data.document_masking``) -> (tokens, the model's keyword inputs present in the batch).
+
+        ``positions`` and ``documents`` are per input token ([b, s]); pipeline parallelism splits
+        them into micro-batches like the inputs and hands them to every stage.
+        """
+        if isinstance(batch, dict):
+            return batch["tokens"], {k: batch[k] for k in ("positions", "documents") if batch.get(k) is not None}
+        return batch, {}
+
     def split_batch(self, batch: Tensor) -> tuple[Tensor, Tensor]:
         """[b, seq_len + 1] token blocks -> (inputs, next-token labels)."""
         return batch[:, :-1], batch[:, 1:]
@@ -138,19 +149,17 @@ class PretrainModule(L.LightningModule):
 
     def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
         # Under pipeline parallelism the strategy runs the schedule instead of this method, with
-        # the same split_batch / model_loss / record_train_loss.
-        documents = _documents(batch)
-        batch, positions = _tokens_and_positions(batch)
+        # the same unpack_batch / split_batch / model_loss / record_train_loss.
+        batch, extra = self.unpack_batch(batch)
         inputs, labels = self.split_batch(batch)
-        loss = self.model_loss(inputs, labels, positions, documents)
+        loss = self.model_loss(inputs, labels, **extra)
         self.record_train_loss(loss, inputs)
         return loss
 
     def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
-        documents = _documents(batch)
-        batch, positions = _tokens_and_positions(batch)
+        batch, extra = self.unpack_batch(batch)
         inputs, labels = self.split_batch(batch)
-        loss = self.model_loss(inputs, labels, positions, documents)
+        loss = self.model_loss(inputs, labels, **extra)
         self.record_val_loss(loss)
         return loss
 
@@ -234,16 +243,3 @@ def _optim_config(values: dict[str, Any]) -> OptimConfig:
     if "betas" in values:
         values["betas"] = tuple(values["betas"])
     return OptimConfig(**values)
-
-
-def _tokens_and_positions(batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
-    """A token batch, or ``{"tokens", "positions"?, "documents"?}`` from ``data.document_positions`` /
-    ``data.document_masking``."""
-    if isinstance(batch, dict):
-        return batch["tokens"], batch.get("positions")
-    return batch, None
-
-
-def _documents(batch: Tensor | dict[str, Tensor]) -> Tensor | None:
-    """Document ids per input token (``data.document_masking``), or None."""
-    return batch.get("documents") if isinstance(batch, dict) else None

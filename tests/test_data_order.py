@@ -245,10 +245,8 @@ def test_document_positions_restart_after_eos(shards: dict[str, Any]) -> None:
     assert (tokens[:, :-1] == eos).any(), "the test data should hold a document boundary"
     module = PretrainModule(model="llama3_debug")
     module.model = Transformer(get_flavor("llama3_debug", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=512))
-    from lit_titan.module import _tokens_and_positions
-
-    got_tokens, got_positions = _tokens_and_positions(batch)  # what training_step / validation_step unpack
-    assert got_tokens is tokens and got_positions is positions
+    got_tokens, extra = module.unpack_batch(batch)  # what training_step / validation_step unpack
+    assert got_tokens is tokens and extra == {"positions": positions}
     inputs, labels = module.split_batch(tokens)
     loss = module.compute_loss(module(inputs, positions), labels)
     plain = module.compute_loss(module(inputs), labels)

@@ -194,24 +194,27 @@ class PipelineRunner:
                               f"parallel.pp_microbatches")
 
     def train_step(self, inputs: Tensor, labels: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor],
-                   accumulation: int, sum_over_stages: bool = True, loss_in_model: bool = False) -> Tensor:
+                   accumulation: int, sum_over_stages: bool = True, loss_in_model: bool = False,
+                   model_kwargs: dict[str, Tensor] | None = None) -> Tensor:
         """Forward and backward of one (Lightning) micro-batch through the pipeline.
 
         ``sum_over_stages=False`` skips the loss all-reduce over the pp group (steps that do not log).
         ``loss_in_model``: the last stage's head computes the (chunked) loss from the labels, which
         the schedule passes to every stage as a keyword argument (split into micro-batches like
         the inputs; stages without the head ignore it), so its output is already the loss.
+        ``model_kwargs`` (per-token ``positions`` / ``documents``, [b, s]) reach every stage the
+        same way: each stage's blocks need them for rotary embeddings and the attention mask.
         """
         self.check_batch(inputs.shape[0])
         self._loss_fn, self._scale = (_identity_loss if loss_in_model else loss_fn), 1.0 / (self.microbatches * accumulation)
         losses: list[Tensor] = []
-        kwargs = {"labels": labels} if loss_in_model else {}
+        kwargs = {**(model_kwargs or {}), **({"labels": labels} if loss_in_model else {})}
         self.schedule.step(inputs, target=labels, losses=losses, **kwargs, **self._step_kwargs)
         return self._mean_loss(losses, sum_over_stages)
 
     @torch.no_grad()
     def eval_step(self, inputs: Tensor, labels: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor],
-                  loss_in_model: bool = False) -> Tensor:
+                  loss_in_model: bool = False, model_kwargs: dict[str, Tensor] | None = None) -> Tensor:
         if self.schedule_name in V_SHAPED:
             raise RuntimeError(f"validation under {self.schedule_name} fails in torch's schedule eval (\"can't "
                                f"steal_bwd_input if this stage doesn't have backward\", torch 2.14); set "
@@ -222,7 +225,7 @@ class PipelineRunner:
         self.check_batch(inputs.shape[0])
         self._loss_fn, self._scale = (_identity_loss if loss_in_model else loss_fn), 1.0
         losses: list[Tensor] = []
-        kwargs = {"labels": labels} if loss_in_model else {}
+        kwargs = {**(model_kwargs or {}), **({"labels": labels} if loss_in_model else {})}
         self.schedule.eval(inputs, target=labels, losses=losses, **kwargs)
         return self._mean_loss(losses)
 

@@ -398,8 +398,9 @@ class TitanStrategy(ModelParallelStrategy):
             # the sequence) the strategy runs the step, with the module's split_batch,
             # compute_loss and record_train_loss: subclasses customise those, not training_step.
             module = self.lightning_module
-            inputs, labels = module.split_batch(args[0])
-            local_inputs, local_labels = self._shard_sequence(inputs, labels)
+            tokens, extra = module.unpack_batch(args[0])
+            inputs, labels = module.split_batch(tokens)
+            local_inputs, local_labels = self._shard_sequence(inputs, labels, extra)
             if self.pipeline is not None:
                 accumulation = module.trainer.accumulate_grad_batches
                 if args[1] % accumulation == 0:  # first micro-batch of an optimizer step
@@ -410,7 +411,8 @@ class TitanStrategy(ModelParallelStrategy):
                 # off the last stage), which nothing but the logger reads.
                 loss = self.pipeline.train_step(local_inputs, local_labels, module.compute_loss,
                                                 accumulation=accumulation, loss_in_model=module.loss_in_model,
-                                                sum_over_stages=is_logging_step(module.trainer, module.global_step + 1))
+                                                sum_over_stages=is_logging_step(module.trainer, module.global_step + 1),
+                                                model_kwargs=extra)
             else:
                 loss = module.model_loss(local_inputs, local_labels)
             module.record_train_loss(loss, inputs)
@@ -421,17 +423,22 @@ class TitanStrategy(ModelParallelStrategy):
             if self.pipeline is None and self.context_parallel is None:
                 return super().validation_step(*args, **kwargs)
             module = self.lightning_module
-            inputs, labels = self._shard_sequence(*module.split_batch(args[0]))
+            tokens, extra = module.unpack_batch(args[0])
+            inputs, labels = self._shard_sequence(*module.split_batch(tokens), extra)
             if self.pipeline is not None:
-                loss = self.pipeline.eval_step(inputs, labels, module.compute_loss, loss_in_model=module.loss_in_model)
+                loss = self.pipeline.eval_step(inputs, labels, module.compute_loss, loss_in_model=module.loss_in_model,
+                                               model_kwargs=extra)
             else:
                 loss = module.model_loss(inputs, labels)
             module.record_val_loss(loss)
             return loss
 
-    def _shard_sequence(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def _shard_sequence(self, inputs: Tensor, labels: Tensor, extra: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         if self.context_parallel is None:
             return inputs, labels
+        if extra:  # config.validate refuses these with cp > 1; a custom data module could still send them
+            raise ValueError(f"context parallelism does not take per-token {sorted(extra)} (document positions/"
+                             f"masks) yet; set data.document_positions=false and data.document_masking=false")
         return self.context_parallel.shard(inputs, labels)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
