@@ -83,6 +83,22 @@ def test_flex_equals_sdpa_dense_mask():
                                    _per_token_losses(sdpa, tokens, positions, documents), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
+def test_flex_trains_like_sdpa_dense_mask_on_gpu():
+    """Forward and backward through flex_attention's block mask on CUDA (CPU has no flex backward)
+    equal SDPA with the dense mask: losses and every parameter's gradient."""
+    tokens, positions, docs = (t.cuda() for t in _batch())
+    grads = {}
+    for attention in ("flex", "sdpa"):
+        model = _model(attention).cuda()
+        loss = model(tokens[:, :-1], positions, labels=tokens[:, 1:], documents=docs)
+        loss.backward()
+        grads[attention] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(grads["flex"][0], grads["sdpa"][0], rtol=1e-5, atol=1e-5)
+    for name, grad in grads["sdpa"][1].items():
+        torch.testing.assert_close(grads["flex"][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_grads_flow_with_the_dense_mask():
     model = _model()
     tokens, positions, docs = _batch()
