@@ -2,30 +2,14 @@
 
 Every formula is spelled out in docs/planner.md; the short version:
 
-Activations (bytes, 16-bit, per transformer block and micro-batch of b sequences of s tokens),
-adapted from Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models" (arXiv:2205.05198), whose GPT count is s*b*h*(34 + 5*a*s/h) without recomputation, divided
-by t with tensor + sequence parallelism, and 2*s*b*h (the block input) with full recomputation.
-For Llama (RMSNorm, no dropout, SwiGLU of width f, GQA with kv width h_kv = n_kv_heads*head_dim,
-flash/SDPA attention which keeps no s x s score matrix, so no 5*a*s/h term) we count the tensors
-autograd keeps per block:
-
-    none:          s*b*(12*h + 4*h_kv + 8*f) / (t*cp)
-                   = 2 bytes x [2 norm inputs + 2 norm outputs (4h), q and attention output (2h),
-                     k, v (2 h_kv), w1 and w3 outputs, silu output, their product (4f)]
-    selective_op:  s*b*(10*h + 4*h_kv + 4*f) / (t*cp)  (this repo's policy: block input and the outputs
-                   of every matmul and of attention are kept; norms/silu/products are recomputed)
-    full:          2*s*b*h / (t*cp)                     (the block input only)
-    selective_layer: every n-th block full, the others none
-
-plus, once, the recomputation peak of one block (its `none` size) when checkpointing, the
-embedding output 2*s*b*h/(t*cp), and the loss: fp32 log-probabilities and their gradient,
-8*s*b*V/(t*cp) on the rank holding the output head, or with the chunked loss (``loss.chunk_tokens=c``,
-on by default at vocabularies >= 32K) those of one chunk, 8*min(c, s*b/cp)*V/t. Under pipeline parallelism (p ranks, v
-stages per rank, micro-batch b = local batch / pp_microbatches) the first pipeline rank holds the
-activations of L*(1 + (p-1)/(p*v)) blocks for v > 1 (1F1B, v = 1: L blocks) (Korthikanti et al., sec. 4.2.3;
-Narayanan et al. 2021 for the interleaved schedule), never more than the blocks of m in-flight
-micro-batches.
+Activations: the per-block counts of docs/planner.md ("Activations"), adapted from Korthikanti et
+al. 2022 (arXiv:2205.05198) for Llama with SDPA, 16-bit (x2 for fp32 training), and checked against
+CPU measurement by benchmarks/activation_memory_cpu.py (within 15%, tests/test_plan.py). In short:
+none s*b*(16h + 4h_kv + 8f)/(t*cp), selective_op s*b*(10h + 4h_kv + 4f)/(t*cp), full 2*s*b*h/(t*cp),
+plus what TP/CP keep gathered, the embedding output, and the larger of the loss's peak
+(12*tokens*V/t, or one chunk's) and one block's backward (its gradients, plus its recomputation).
+Under pipeline parallelism the first pipeline rank holds L blocks' worth (1F1B) or
+L*(1 + (p-1)/(p*v)) for v > 1 stages per rank, never more than m in-flight micro-batches.
 """
 
 from __future__ import annotations
@@ -95,19 +79,36 @@ def float8_flops_per_token(args) -> float:
 def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str) -> float:
     h, h_kv, f = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
     tokens = s * b / (t * cp)
+    # Kept whole on each rank, not split by t or cp (measured, benchmarks/activation_memory_cpu.py):
+    # under TP the two linear inputs are the all-gathered sequence (sequence parallel gathers before
+    # wq/wk/wv and w1/w3, and autograd keeps the gathered tensor); under CP attention keeps the
+    # all-gathered keys and values of the whole sequence.
+    gathered = s * b / cp * 2 * h * 2 * (1 - 1 / t) + s * b / t * 4 * h_kv * (1 - 1 / cp)
     if mode == "none":
-        return tokens * (12 * h + 4 * h_kv + 8 * f)
+        return tokens * (16 * h + 4 * h_kv + 8 * f) + gathered
     if mode == "selective_op":
-        return tokens * (10 * h + 4 * h_kv + 4 * f)
+        return tokens * (10 * h + 4 * h_kv + 4 * f) + gathered
     if mode == "full":
         return tokens * 2 * h
     raise ValueError(mode)
 
 
+def backward_temp_bytes(args, s: int, b: int, t: int, cp: int) -> float:
+    """Gradients alive inside one block's backward (16-bit count): those of its input and output and of
+    the MLP's two hidden activations, 2*s*b*(2h + 2f)/(t*cp)."""
+    return s * b / (t * cp) * 2 * (2 * args.dim + 2 * args.ffn_hidden_dim)
+
+
+def activation_elem_bytes(precision: str) -> int:
+    """Bytes per activation element: the formulas count 16-bit activations; fp32 training keeps 4."""
+    return 4 if str(precision).split("-")[0] in ("32", "64") else 2
+
+
 def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, every_n_layers: int,
                      layers_on_rank: int, has_output: bool, pp_microbatches: int, stages_per_rank: int,
-                     loss_chunk_tokens: int = 0) -> dict[str, Any]:
+                     loss_chunk_tokens: int = 0, act_elem: int = 2) -> dict[str, Any]:
     t, cp, p, v = dims.tp, dims.cp, dims.pp, stages_per_rank
+    width = act_elem / 2  # the per-block formulas count 16-bit elements
     s, b = seq_len, micro_batch
     if mode == "selective_layer":
         n_ckpt = (layers_on_rank + every_n_layers - 1) // every_n_layers
@@ -122,13 +123,16 @@ def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, e
         in_flight = min(in_flight, layers_on_rank * pp_microbatches)  # at most m micro-batches per block
     else:
         in_flight = layers_on_rank
+    per_block *= width
     blocks = per_block * in_flight
-    recompute_peak = per_block_activation_bytes(args, s, b, t, cp, "none") if mode != "none" else 0.0
-    embedding = 2 * s * b * args.dim / (t * cp)
+    recompute_peak = width * per_block_activation_bytes(args, s, b, t, cp, "none") if mode != "none" else 0.0
+    recompute_peak += width * backward_temp_bytes(args, s, b, t, cp)  # a block's backward, recomputed or not
+    embedding = act_elem * s * b * args.dim / (t * cp)
     # The loss's tokens per rank: all of them, or one chunk at a time (loss.chunk_tokens, lit_titan/loss.py).
     loss_tokens = s * b / cp if not loss_chunk_tokens else min(loss_chunk_tokens, s * b / cp)
-    loss = 8 * loss_tokens * args.vocab_size / t if has_output else 0.0
-    total = blocks + recompute_peak + embedding + loss
+    loss = 12 * loss_tokens * args.vocab_size / t if has_output else 0.0
+    # The loss's buffers are freed before the first block's backward recomputes it: two peaks, not one.
+    total = blocks + embedding + max(loss, recompute_peak)
     return {"total": int(total), "blocks": int(blocks), "blocks_in_flight": in_flight,
             "per_block": int(per_block), "recompute_peak": int(recompute_peak), "embedding": int(embedding),
             "loss": int(loss), "micro_batch": b, "mode": mode}
@@ -282,7 +286,8 @@ def rank_memory(args, dims, layout, *, precision: str, seq_len: int, micro_batch
         return activation_bytes(args, dims, seq_len=seq_len, micro_batch=micro_batch, mode=layout.ac_mode,
                                 every_n_layers=layout.ac_every_n_layers, layers_on_rank=layers,
                                 has_output=has_output, pp_microbatches=pp_microbatches,
-                                stages_per_rank=stages_per_rank, loss_chunk_tokens=loss_chunk_tokens)
+                                stages_per_rank=stages_per_rank, loss_chunk_tokens=loss_chunk_tokens,
+                                act_elem=activation_elem_bytes(precision))
 
     act0 = acts(layout.layers_on_rank, layout.pp_rank_has_output[0])
     total0 = param_bytes + grad_bytes + optimizer_bytes + act0["total"] + buffers
