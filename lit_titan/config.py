@@ -13,13 +13,15 @@ from omegaconf import DictConfig, OmegaConf
 from lit_titan.errors import ConfigError
 from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import ModelArgs, get_flavor
+from lit_titan.optim import check_optim
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 
 RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
-                  "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "attention")
+                  "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "attention", "parallel_block",
+                  "sliding_window", "window_pattern")
 # Keys whose null is a value (no rotary scaling), not "the flavor's default": passed whenever present.
 MODEL_NULLABLE_KEYS = ("rope_scaling",)
 
@@ -117,6 +119,10 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         from lit_titan.models.llama3.hf import check_hf_dir  # lazy: only runs that start from HF weights
 
         check_hf_dir(str(cfg.model.init_from_hf), args)  # FileNotFoundError / ConfigError naming the fix
+    try:
+        check_optim(str(cfg.optim.get("name", "adamw")), cfg.optim.betas)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     if int(cfg.trainer.max_steps) < 1:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
     _validate_fault(cfg, world_size(cfg))
