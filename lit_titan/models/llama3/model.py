@@ -110,16 +110,38 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Junction(nn.Identity):
+    """A named point in a block where tensor parallelism changes a layout (identity without TP).
+
+    The parallel block has two: ``fork`` (the normalised input both branches read: gathered once)
+    and ``join`` (the sum of both branches' partial outputs: reduced once). Parameter-free, so
+    checkpoints and weights do not change.
+    """
+
+
 class TransformerBlock(nn.Module):
+    """Pre-norm block; with ``args.parallel_block`` the GPT-J/PaLM form ``x + attn(n) + mlp(n)``, n = norm(x).
+
+    The parallel form has one norm (``attention_norm``) and no ``ffn_norm``; under TP the two
+    row-parallel outputs are added while still partial sums, so one reduction serves both.
+    """
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
+        self.parallel = args.parallel_block
         self.attention = Attention(args)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        if self.parallel:
+            self.fork, self.join = Junction(), Junction()
+        else:
+            self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any = None) -> Tensor:
         # mask as a keyword: TP's PrepareModuleInput maps the positional (x, cos, sin) only.
+        if self.parallel:
+            n = self.fork(self.attention_norm(x))
+            return x + self.join(self.attention(n, cos, sin, mask=mask) + self.feed_forward(n))
         h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
