@@ -115,6 +115,9 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     if seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len={seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
                           f"{cfg.model.name}; lower data.seq_len or raise model.max_seq_len")
+    if args.sliding_window is not None and args.sliding_window > seq_len:
+        raise ConfigError(f"model.sliding_window={args.sliding_window} exceeds data.seq_len={seq_len} (the window would "
+                          f"be the whole sequence); lower model.sliding_window or set it to null for full attention")
     if cfg.model.get("init_from_hf"):
         from lit_titan.models.llama3.hf import check_hf_dir  # lazy: only runs that start from HF weights
 
