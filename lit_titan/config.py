@@ -14,6 +14,7 @@ from lit_titan.errors import ConfigError
 from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import ModelArgs, get_flavor
 from lit_titan.optim import check_optim
+from lit_titan.preflight import check_config as check_preflight
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 
@@ -129,6 +130,7 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     if int(cfg.trainer.max_steps) < 1:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
     _validate_fault(cfg, world_size(cfg))
+    check_preflight(cfg.get("preflight"), cfg.get("fault"), world_size(cfg))
     _validate_profiler(cfg)
     dims = parallel_dims(cfg)
     if args.tie_embeddings and dims.pp > 1:
