@@ -51,6 +51,10 @@ def test_warn_names_the_slow_rank_and_trains(tmp_path, worlds):
     assert all(r["links"]["dp_shard"]["all_reduce_gbps"] > 0 for r in report["ranks"])
     assert report["seconds"] < 60
     assert len(read_metrics(tmp_path)) > 0  # warn: training went on
+    from lit_titan.report import make_report
+
+    page = make_report(tmp_path).read_text()  # the run report shows the verdict
+    assert "<b>Pre-flight</b>" in page and "rank 2 (" in page
 
 
 @pytest.mark.slow
