@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": "lit_titan.plan",
-            "launch": "lit_titan.launch", "export": "lit_titan.export", "report": "lit_titan.report"}
+            "launch": "lit_titan.launch", "export": "lit_titan.export", "report": "lit_titan.report",
+            "preflight": "lit_titan.preflight"}
 
 
 def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseException], ...]) -> None:

@@ -13,13 +13,16 @@ from omegaconf import DictConfig, OmegaConf
 from lit_titan.errors import ConfigError
 from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import ModelArgs, get_flavor
+from lit_titan.optim import check_optim
+from lit_titan.preflight import check_config as check_preflight
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 
 RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
-                  "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "attention")
+                  "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "attention", "parallel_block",
+                  "sliding_window", "window_pattern")
 # Keys whose null is a value (no rotary scaling), not "the flavor's default": passed whenever present.
 MODEL_NULLABLE_KEYS = ("rope_scaling",)
 
@@ -113,13 +116,21 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     if seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len={seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
                           f"{cfg.model.name}; lower data.seq_len or raise model.max_seq_len")
+    if args.sliding_window is not None and args.sliding_window > seq_len:
+        raise ConfigError(f"model.sliding_window={args.sliding_window} exceeds data.seq_len={seq_len} (the window would "
+                          f"be the whole sequence); lower model.sliding_window or set it to null for full attention")
     if cfg.model.get("init_from_hf"):
         from lit_titan.models.llama3.hf import check_hf_dir  # lazy: only runs that start from HF weights
 
         check_hf_dir(str(cfg.model.init_from_hf), args)  # FileNotFoundError / ConfigError naming the fix
+    try:
+        check_optim(str(cfg.optim.get("name", "adamw")), cfg.optim.betas)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     if int(cfg.trainer.max_steps) < 1:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
     _validate_fault(cfg, world_size(cfg))
+    check_preflight(cfg.get("preflight"), cfg.get("fault"), world_size(cfg))
     _validate_profiler(cfg)
     dims = parallel_dims(cfg)
     if args.tie_embeddings and dims.pp > 1:

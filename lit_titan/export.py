@@ -113,10 +113,14 @@ def resolve_model_args(ckpt: Path, flavor: str | None, overrides: list[str]) -> 
             cfg = OmegaConf.merge(OmegaConf.load(config_yaml), OmegaConf.from_dotlist(overrides))
         except (OmegaConfBaseException, ValueError) as err:
             raise ExportError(f"cannot read the model config from {config_yaml}: {err}") from err
+    from lit_titan.models.llama3.hf import check_hf_expressible
+
     try:
-        return model_args(cfg)
+        args = model_args(cfg)
     except (ValueError, OmegaConfBaseException) as err:
         raise ConfigError(str(err)) from err
+    check_hf_expressible(args, "export")
+    return args
 
 
 def check_shapes(tensors: dict[str, tuple[str, Any]], args: ModelArgs) -> None:

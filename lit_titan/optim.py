@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule construction (AdamW + warmup then cosine or WSD)."""
+"""Optimizer and learning-rate schedule construction (AdamW or LAMB + warmup then cosine or WSD)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ import torch
 from torch import nn
 
 
+OPTIMIZERS = ("adamw", "lamb")
+
+
 @dataclass(frozen=True)
 class OptimConfig:
+    # adamw (torch.optim.AdamW) | lamb (lit_titan.lamb.Lamb: trust ratio from whole-parameter norms)
+    name: str = "adamw"
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -99,8 +104,22 @@ def adamw_implementation(params: Iterable[Any], *, fused: bool | None = None, fo
     return "foreach" if local and all(t.device.type in supported for t in local) else "for_loop"
 
 
+def check_optim(name: str, betas: Iterable[float]) -> None:
+    """ValueError naming the setting when ``optim.name`` or ``optim.betas`` cannot run."""
+    from lit_titan.lamb import check_betas
+
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={name!r} is not an optimizer here; use optim=adamw or optim=lamb")
+    check_betas(betas)
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    check_optim(cfg.name, cfg.betas)
     groups = param_groups(model, cfg.weight_decay)
+    if cfg.name == "lamb":
+        from lit_titan.lamb import Lamb
+
+        return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     impl = adamw_implementation((p for g in groups for p in g["params"]), fused=cfg.fused, foreach=cfg.foreach)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              foreach=impl == "foreach", fused=impl == "fused")

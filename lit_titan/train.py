@@ -16,10 +16,11 @@ from omegaconf import DictConfig, OmegaConf
 from lit_titan.checkpoint import CheckpointError
 from lit_titan.cli import is_launcher_rank_zero
 from lit_titan.config import RUN_DIR_ENV, ConfigError, default_run_dir, model_overrides, to_yaml, validate
+from lit_titan.preflight import PreflightError
 from lit_titan.strategies.parallel_dims import LayoutError
 
-# Errors that mean "fix your input": printed as one line, no traceback, exit code 2.
-USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError, CheckpointError)
+# Errors that mean "fix your input" (or, PreflightError, "fix your fleet"): one line, no traceback, exit code 2.
+USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError, CheckpointError, PreflightError)
 
 
 def resolve_run_dir(cfg: DictConfig) -> Path:
@@ -165,6 +166,16 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     summary = RunSummary(run_dir=str(run_dir))
     configured = [_instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     all_callbacks = [summary, DataProgress(), *configured, *(callbacks or [])]
+    if (cfg.get("preflight") or {}).get("enabled"):  # first: it may end the job before the others act
+        from lit_titan.planner.estimate import peak_flops
+        from lit_titan.preflight import Preflight
+
+        peak = peak_flops(OmegaConf.to_container(cfg.cluster, resolve=True), str(cfg.precision)) / 1e12
+        all_callbacks.insert(0, Preflight(str(run_dir), action=str(cfg.preflight.action),
+                                          threshold=float(cfg.preflight.threshold), expected_tflops=peak or None,
+                                          slow_rank=cfg.fault.get("slow_rank"),
+                                          slow_factor=float(cfg.fault.get("slow_factor", 4.0)),
+                                          only=bool(cfg.preflight.get("only", False))))
     if cfg.checkpoint.enabled:
         c = cfg.checkpoint
         all_callbacks.append(Checkpointing(dirpath=str(run_dir / "checkpoints"), every_n_steps=int(c.every_n_steps),

@@ -22,7 +22,7 @@ def module_numel(args) -> dict[str, tuple[int, int]]:
     block = h * args.n_heads * hd * 2 + h * args.kv_heads * hd * 2 + 3 * h * f
     out = {"tok_embeddings": (v * h, 0), "norm": (0, h), "output": (v * h, 0)}
     for k in range(args.n_layers):
-        out[f"layers.{k}"] = (block, 2 * h)
+        out[f"layers.{k}"] = (block, (1 if args.parallel_block else 2) * h)  # parallel block: one norm
     return out
 
 

@@ -183,7 +183,8 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
                 reduce-scatters: one per micro-batch (every_microbatch, and always under PP), else one
     optimizer = AdamW tensor passes (ADAMW_TENSOR_PASSES, by the kernel training picks) x the rank's
                 parameter bytes / HBM bandwidth (cluster.hbm_gbps); after the pipelined part
-    tp_comm   = per block and micro-batch 4 collectives forward, 4 backward (+4 when recomputed), each
+    tp_comm   = per block and micro-batch 4 collectives forward, 4 backward (+4 when recomputed), halved with
+                model.parallel_block (one all-gather and one reduce-scatter serve both branches), each
                 (t-1)/t * 2*s*b*h bytes over NVLink (or IB if the TP group spans nodes); exposed
     cp_comm   = K/V all-gather per block, forward + backward, exposed
     bubble    = (p-1)/(m*v + p-1) of the pipelined time;
@@ -234,6 +235,8 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
     if dims.tp > 1:
         per_coll = (dims.tp - 1) / dims.tp * 2 * dp_local * seq_len / dims.cp * args.dim
         colls = 8 + (4 if ac_mode == "full" else 0)
+        if getattr(args, "parallel_block", False):  # one gather of norm(x), one reduction of attn + mlp
+            colls //= 2
         tp_s = layout.layers_on_rank * colls * per_coll / bandwidth(dims.tp)
     cp_s = 0.0
     if dims.cp > 1:

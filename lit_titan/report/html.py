@@ -67,6 +67,22 @@ def _link(root: Path, path: Path) -> str:
     return f"<a href='{html.escape(rel)}'>{html.escape(rel)}</a>"
 
 
+def _preflight(root: Path, run: Run) -> str:
+    """Pre-flight verdict and per-rank figures (preflight.json, lit_titan/preflight.py)."""
+    pf = run.preflight or {}
+    found = pf.get("found") or []
+    verdict = ("<b>found</b>: " + html.escape("; ".join(found))) if found else "nothing below the threshold"
+    rows = "".join(
+        f"<tr><td>{r.get('rank')}</td><td>{html.escape(str(r.get('host')))}</td><td>{r.get('tflops', 0):.4g}</td><td>"
+        + html.escape(", ".join(f"{d} {v.get('all_reduce_gbps', 0):.3g}/{v.get('all_gather_gbps', 0):.3g}"
+                                for d, v in (r.get("links") or {}).items())) + "</td></tr>"
+        for r in pf.get("ranks") or [])
+    return (f"<p><b>Pre-flight</b> ({_link(root, run.path / 'preflight.json')}, threshold {pf.get('threshold')} x "
+            f"median, action {html.escape(str(pf.get('action')))}): {verdict}</p><details><summary>Per rank: matmul "
+            f"TFLOP/s, all-reduce/all-gather GB/s per mesh group</summary><table><tr><th>rank</th><th>host</th>"
+            f"<th>TFLOP/s</th><th>links</th></tr>{rows}</table></details>")
+
+
 def _run_details(root: Path, run: Run, sweep: bool) -> str:
     parts = [f"<h2>{'Run ' + html.escape(run.name) if sweep else 'Run'}: configuration and files</h2>"]
     if run.traces:
@@ -77,6 +93,8 @@ def _run_details(root: Path, run: Run, sweep: bool) -> str:
                      + ", ".join(_link(root, p) for p in run.memory_snapshots) + "</p>")
     if run.hang_files:
         parts.append("<p><b>Hang dumps</b> (watchdog): " + ", ".join(_link(root, p) for p in run.hang_files) + "</p>")
+    if run.preflight:
+        parts.append(_preflight(root, run))
     if run.checkpoints:
         parts.append(f"<p>Checkpoints: {html.escape(', '.join(run.checkpoints))}</p>")
     parts.append(f"<details{'' if sweep else ' open'}><summary>Resolved config (config.yaml: model, layout, "

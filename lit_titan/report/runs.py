@@ -29,6 +29,7 @@ class Run:
     memory_snapshots: list[Path] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     hang_files: list[Path] = field(default_factory=list)
+    preflight: dict | None = None  # preflight.json (lit_titan/preflight.py), when the run had one
 
     @property
     def name(self) -> str:
@@ -97,6 +98,13 @@ def load_run(path: Path) -> Run:
         sorted(run.path.glob("memory/oom-rank-*.pickle"))
     run.checkpoints = sorted(p.name for p in (run.path / "checkpoints").glob("step-*") if p.is_dir())
     run.hang_files = sorted((run.path / "hang").glob("*")) if (run.path / "hang").is_dir() else []
+    if (run.path / "preflight.json").is_file():
+        import json
+
+        try:
+            run.preflight = json.loads((run.path / "preflight.json").read_text())
+        except ValueError:
+            run.preflight = None
     return run
 
 

@@ -83,9 +83,12 @@ class AllGatherKVAttention(nn.Module):
     prefix mask otherwise, cached and shared by the layers).
     """
 
-    def __init__(self, group: dist.ProcessGroup, masks: dict | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup, masks: dict | None = None, window: int | None = None) -> None:
         super().__init__()
         self.group = group
+        # sliding window (model.sliding_window) of the core this replaces: each query chunk reads only
+        # the keys its window reaches (all K/V are still gathered: the other chunk may need them)
+        self.window = window
         self.cp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         # Reorder index per (seq_len, device): built once, not copied to the device every call.
@@ -117,6 +120,17 @@ class AllGatherKVAttention(nn.Module):
             self._masks[key] = mask.masked_fill_(~visible, float("-inf"))
         return self._masks[key]
 
+    def _window_mask(self, chunk: int, block: int, start: int, end: int, like: Tensor) -> Tensor:
+        """Additive mask of query block ``block`` over keys [start, end): causal and within the window."""
+        key = ("window", chunk, block, start, end, self.window, like.device, like.dtype)
+        if key not in self._masks:
+            qi = torch.arange(block * chunk, (block + 1) * chunk, device=like.device)[:, None]
+            kj = torch.arange(start, end, device=like.device)[None, :]
+            visible = (kj <= qi) & (qi - kj < self.window)
+            mask = torch.zeros(chunk, end - start, dtype=like.dtype, device=like.device)
+            self._masks[key] = mask.masked_fill_(~visible, float("-inf"))
+        return self._masks[key]
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
         # q [b, heads, local_seq, d], k/v [b, kv_heads, local_seq, d]; local_seq holds two chunks.
@@ -132,7 +146,12 @@ class AllGatherKVAttention(nn.Module):
         outs = []
         for q_chunk, block in zip(q.split(chunk, dim=2), (self.rank, 2 * self.cp - 1 - self.rank)):
             end = (block + 1) * chunk
-            if end == chunk:  # the first block: an ordinary causal square
+            if self.window is not None:
+                start = max(0, block * chunk - (self.window - 1))
+                outs.append(F.scaled_dot_product_attention(
+                    q_chunk, k[:, :, start:end], v[:, :, start:end],
+                    attn_mask=self._window_mask(chunk, block, start, end, q_chunk), enable_gqa=gqa))
+            elif end == chunk:  # the first block: an ordinary causal square
                 outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end], is_causal=True,
                                                            enable_gqa=gqa))
             else:
@@ -158,7 +177,8 @@ class ContextParallel:
     def apply(self, model: nn.Module, attention_cores: list[tuple[nn.Module, str]]) -> None:
         masks: dict = {}  # one CPU prefix mask per shape for all layers (see AllGatherKVAttention)
         for parent, name in attention_cores:
-            setattr(parent, name, AllGatherKVAttention(self.group, masks))
+            window = getattr(getattr(parent, name), "window", None)
+            setattr(parent, name, AllGatherKVAttention(self.group, masks, window=window))
         model.register_forward_pre_hook(self._inject_positions, with_kwargs=True)
 
     def _inject_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -35,6 +35,12 @@ class ModelArgs:
     tie_embeddings: bool = False
     # Attention kernel: sdpa | flex (models/llama3/attention.py); same numerics, flex skips masked blocks.
     attention: str = "sdpa"
+    # GPT-J/PaLM block: x + attn(norm(x)) + mlp(norm(x)), one norm; under TP one reduction per block, not two
+    parallel_block: bool = False
+    # Sliding-window attention: a token sees itself and the previous sliding_window - 1 tokens (None: all).
+    sliding_window: int | None = None
+    # With a window: None = every layer windowed; K = every K-th layer (index K-1, 2K-1, ...) stays global.
+    window_pattern: int | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -52,6 +58,14 @@ class ModelArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of block ``layer`` (None: full causal)."""
+        if self.sliding_window is None:
+            return None
+        if self.window_pattern is not None and (layer + 1) % self.window_pattern == 0:
+            return None
+        return self.sliding_window
+
     def with_overrides(self, **overrides: Any) -> ModelArgs:
         if isinstance(overrides.get("rope_scaling"), dict):
             overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
@@ -67,6 +81,10 @@ class ModelArgs:
             raise ValueError(f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.kv_heads}")
         if self.attention not in ("sdpa", "flex"):
             raise ValueError(f"model.attention={self.attention!r}; choose sdpa or flex")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"model.sliding_window={self.sliding_window} must be >= 1 (or null for full attention)")
+        if self.window_pattern is not None and self.window_pattern < 1:
+            raise ValueError(f"model.window_pattern={self.window_pattern} must be >= 1 (or null: every layer windowed)")
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
 

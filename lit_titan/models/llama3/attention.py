@@ -10,10 +10,15 @@
 
 ``attention_mask`` builds the mask once per forward (from the documents' ids); every block then
 calls ``attention`` with it.
+
+Sliding window (``model.sliding_window=N``): a query at index i sees keys j with i - N < j <= i
+(indices in the sequence, not document positions), composed with the document mask. With SDPA and
+no documents the mask is ``window_mask``, built once per (length, window, device) and shared.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -23,29 +28,40 @@ from torch import Tensor
 BACKENDS = ("sdpa", "flex")
 
 
-def attention_mask(backend: str, documents: Tensor | None, seq_len: int, device: torch.device) -> Any:
-    """None (plain causal SDPA), a dense bool mask [b, 1, s, s] (SDPA) or a flex ``BlockMask``.
+@functools.lru_cache(maxsize=16)
+def window_mask(seq_len: int, window: int | None, device: torch.device) -> Tensor:
+    """Dense bool [s, s]: causal, and within ``window`` (None: plain causal). Cached: every layer shares it."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    return causal if window is None else causal.triu(-(window - 1))
+
+
+def attention_mask(backend: str, documents: Tensor | None, seq_len: int, device: torch.device,
+                   window: int | None = None) -> Any:
+    """None (plain causal SDPA), a dense bool mask ([b, 1, s, s] or [s, s]) for SDPA, or a flex ``BlockMask``.
 
     ``documents`` [b, s]: each token's document index; a query sees keys at or before it in the
-    same document.
+    same document. ``window``: and only the ``window`` latest of them (itself included).
     """
     if backend not in BACKENDS:
         raise ValueError(f"model.attention={backend!r}; choose one of {BACKENDS}")
     if backend == "sdpa":
         if documents is None:
-            return None
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-        return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+            return None if window is None else window_mask(seq_len, window, torch.device(device))
+        band = window_mask(seq_len, window, torch.device(device))
+        return ((documents[:, :, None] == documents[:, None, :]) & band)[:, None]
     from torch.nn.attention.flex_attention import create_block_mask
+
+    def near(q, kv):
+        return (q >= kv) if window is None else (q >= kv) & (q - kv < window)
 
     if documents is None:
         def mask_mod(b, h, q, kv):
-            return q >= kv
+            return near(q, kv)
 
         return create_block_mask(mask_mod, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device)
 
     def doc_mask_mod(b, h, q, kv):
-        return (documents[b, q] == documents[b, kv]) & (q >= kv)
+        return (documents[b, q] == documents[b, kv]) & near(q, kv)
 
     return create_block_mask(doc_mask_mod, B=documents.shape[0], H=None, Q_LEN=seq_len, KV_LEN=seq_len,
                              device=device)

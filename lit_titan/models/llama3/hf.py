@@ -281,6 +281,16 @@ def _tied_source(hf_name: str, available: dict[str, Any], config: dict[str, Any]
     return hf_name
 
 
+def check_hf_expressible(args: ModelArgs, where: str) -> None:
+    """ConfigError when ``args`` has no Hugging Face Llama equivalent (its weights would load into a different model)."""
+    if args.parallel_block:
+        raise ConfigError(f"{where}: model.parallel_block=true has no Hugging Face Llama equivalent (HF's block is "
+                          f"sequential, with two norms); set model.parallel_block=false")
+    if args.sliding_window is not None:
+        raise ConfigError(f"{where}: model.sliding_window={args.sliding_window} has no Hugging Face Llama equivalent "
+                          f"(LlamaConfig attends to every earlier token); set model.sliding_window=null")
+
+
 def check_hf_dir(path: str, args: ModelArgs) -> None:
     """Refuse a HF directory that is missing or does not match ``args``, before any process starts.
 
@@ -289,6 +299,7 @@ def check_hf_dir(path: str, args: ModelArgs) -> None:
     would match it.
     """
     where = f"model.init_from_hf={path}"
+    check_hf_expressible(args, where)
     root = Path(path).expanduser()
     hint = "point it at a Hugging Face Llama directory (config.json + *.safetensors), e.g. written by " \
            "`python -m lit_titan.export CHECKPOINT OUT_DIR`"

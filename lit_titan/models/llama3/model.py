@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_titan.loss import chunked_cross_entropy
-from lit_titan.models.llama3.attention import attention, attention_mask
+from lit_titan.models.llama3.attention import attention, attention_mask, window_mask
 from lit_titan.models.init import InitFn, canonical_name, normal, ones, seeded_init_
 from lit_titan.models.llama3.args import ModelArgs, RopeScaling
 
@@ -70,19 +70,26 @@ class CoreAttention(nn.Module):
     context parallelism can swap it and communicate kv_heads too.
     """
 
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__()
+        # sliding window (None: full causal); read by context parallelism when it swaps this module
+        self.window = window
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Any = None) -> Tensor:
+        if mask is None and self.window is not None:  # the model passes a mask only for documents / flex
+            mask = window_mask(q.shape[2], self.window, q.device)
         return attention(q, k, v, mask)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, window: int | None = None) -> None:
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.core = CoreAttention()
+        self.core = CoreAttention(window)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any = None) -> Tensor:
         bs, seqlen, _ = x.shape
@@ -110,16 +117,38 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class Junction(nn.Identity):
+    """A named point in a block where tensor parallelism changes a layout (identity without TP).
+
+    The parallel block has two: ``fork`` (the normalised input both branches read: gathered once)
+    and ``join`` (the sum of both branches' partial outputs: reduced once). Parameter-free, so
+    checkpoints and weights do not change.
+    """
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Pre-norm block; with ``args.parallel_block`` the GPT-J/PaLM form ``x + attn(n) + mlp(n)``, n = norm(x).
+
+    The parallel form has one norm (``attention_norm``) and no ``ffn_norm``; under TP the two
+    row-parallel outputs are added while still partial sums, so one reduction serves both.
+    """
+
+    def __init__(self, args: ModelArgs, window: int | None = None) -> None:
         super().__init__()
-        self.attention = Attention(args)
+        self.parallel = args.parallel_block
+        self.attention = Attention(args, window)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        if self.parallel:
+            self.fork, self.join = Junction(), Junction()
+        else:
+            self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Any = None) -> Tensor:
         # mask as a keyword: TP's PrepareModuleInput maps the positional (x, cos, sin) only.
+        if self.parallel:
+            n = self.fork(self.attention_norm(x))
+            return x + self.join(self.attention(n, cos, sin, mask=mask) + self.feed_forward(n))
         h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -150,7 +179,7 @@ class Transformer(nn.Module):
         args.validate()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, args.window_of(i)) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size)
         if args.tie_embeddings:
@@ -176,10 +205,13 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[: tokens.shape[1]], self.rope_sin[: tokens.shape[1]]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        mask = None
+        masks: dict[int | None, Any] = {}  # one per distinct window; plain causal and windowed SDPA need none here
         if documents is not None or self.args.attention != "sdpa":
-            mask = attention_mask(self.args.attention, documents, tokens.shape[1], h.device)
-        for layer in self.layers.values():
+            windows = {self.args.window_of(int(k)) for k in self.layers}
+            masks = {w: attention_mask(self.args.attention, documents, tokens.shape[1], h.device, window=w)
+                     for w in windows}
+        for key, layer in self.layers.items():
+            mask = masks.get(self.args.window_of(int(key)))
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)

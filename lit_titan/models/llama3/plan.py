@@ -67,6 +67,8 @@ def tp_block(block: nn.Module) -> dict:
         SequenceParallel,
     )
 
+    if getattr(block, "parallel", False):
+        return _tp_parallel_block()
     return {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
@@ -80,6 +82,37 @@ def tp_block(block: nn.Module) -> dict:
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def _tp_parallel_block() -> dict:
+    """The parallel block under TP + SP: one all-gather of norm(x) (``fork``) feeds both branches, and
+    wo / w2 keep their outputs as partial sums, added and reduce-scattered once (``join``).
+    The sequential block pays an all-gather and a reduce-scatter per branch."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {
+        "attention_norm": SequenceParallel(),
+        "fork": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                   use_local_output=False),
+        "attention": PrepareModuleInput(input_layouts=(Replicate(), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+        "feed_forward": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+        "feed_forward.w3": ColwiseParallel(),
+        "join": PrepareModuleInput(input_layouts=(Partial(),), desired_input_layouts=(Shard(1),),
+                                   use_local_output=False),
     }
 
 

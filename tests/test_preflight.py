@@ -1,0 +1,78 @@
+"""Pre-flight diagnostics: the slowed rank is named in one line; action=stop exits 2 before anything is written."""
+
+import json
+import sys
+
+import pytest
+
+from helpers import TINY, read_metrics, run_job
+from lit_titan.config import compose, validate
+from lit_titan.errors import ConfigError
+from lit_titan.preflight import judge
+
+
+def _record(rank, tflops, gbps=1.0, ranks=(0, 1)):
+    return {"rank": rank, "host": "h", "tflops": tflops,
+            "links": {"dp_shard": {"ranks": list(ranks), "all_reduce_gbps": gbps, "all_gather_gbps": gbps}}}
+
+
+def test_judge_names_the_slow_rank_and_the_slow_group():
+    records = [_record(0, 1.0, 10, (0, 1)), _record(1, 1.1, 10, (0, 1)), _record(2, 0.3, 10, (2, 3)),
+               _record(3, 0.9, 10, (2, 3)), _record(4, 1.0, 2, (4, 5)), _record(5, 1.0, 2, (4, 5))]
+    found, medians = judge(records, threshold=0.5)
+    assert medians["tflops"] == 1.0
+    assert found == ["rank 2 (h) matmul 0.3 TFLOP/s vs median 1",
+                     "dp_shard group [4, 5] all_reduce 2 GB/s vs median 10",
+                     "dp_shard group [4, 5] all_gather 2 GB/s vs median 10"]
+    assert judge(records[:2], threshold=0.5)[0] == []
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["preflight.enabled=true", "preflight.action=abort"], "preflight.action=abort is not an option"),
+    (["fault.slow_rank=1"], "fault.slow_rank slows a rank's pre-flight burn-in; set preflight.enabled=true"),
+    (["preflight.enabled=true", "fault.slow_rank=7", "cluster.devices=2"], "fault.slow_rank=7 is not a rank"),
+])
+def test_bad_settings_one_line(extra, needle):
+    with pytest.raises(ConfigError) as info:
+        validate(compose([*TINY, *extra]))
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+RUN = [*TINY, "trainer.max_steps=2", "cluster.devices=4", "preflight.enabled=true", "fault.slow_rank=2",
+       "fault.slow_factor=8"]
+
+
+@pytest.mark.slow
+def test_warn_names_the_slow_rank_and_trains(tmp_path, worlds):
+    worlds.train([*RUN, "preflight.action=warn"], tmp_path)
+    report = json.loads((tmp_path / "preflight.json").read_text())
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
+    assert any(f.startswith("rank 2 (") for f in report["found"]), report["found"]
+    assert all(r["links"]["dp_shard"]["all_reduce_gbps"] > 0 for r in report["ranks"])
+    assert report["seconds"] < 60
+    assert len(read_metrics(tmp_path)) > 0  # warn: training went on
+    from lit_titan.report import make_report
+
+    page = make_report(tmp_path).read_text()  # the run report shows the verdict
+    assert "<b>Pre-flight</b>" in page and "rank 2 (" in page
+
+
+@pytest.mark.slow
+def test_stop_exits_2_before_checkpoints_or_metrics(tmp_path):
+    proc = run_job([sys.executable, "-m", "lit_titan.train", *RUN, "preflight.action=stop", f"run_dir={tmp_path}"],
+                   timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("lit-titan: error: preflight:")]
+    assert len(lines) == 1 and "rank 2 (" in lines[0] and "preflight.action=stop" in lines[0], proc.stderr[-3000:]
+    assert (tmp_path / "preflight.json").is_file()
+    assert not (tmp_path / "metrics.csv").exists() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_lit_titan_preflight_command(tmp_path):
+    """`lit-titan preflight`: diagnostics only, action=stop by default: exit 2 naming the slowed rank, nothing else."""
+    proc = run_job([sys.executable, "-m", "lit_titan.cli", "preflight", *TINY, "cluster.devices=2", "fault.slow_rank=1",
+                    "fault.slow_factor=8", f"run_dir={tmp_path}"], timeout=300)
+    assert proc.returncode == 2 and "rank 1 (" in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "preflight.json").read_text())["action"] == "stop"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "config.yaml", "preflight.json"]  # no metrics, no checkpoints
