@@ -6,24 +6,17 @@ CI logs and Slurm output files).
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
-from helpers import TINY, read_metrics, run_cli, run_job
-
-# Lines a user may see that mention a warning, each one asking the user to act (none on these runs).
-# A dependency's message that a user cannot act on goes to lit_titan/known_warnings.py instead.
-ACTIONABLE: tuple[str, ...] = ()
-NOISE = re.compile(r"warn|traceback|tip:", re.IGNORECASE)
-
-
-def noise(output: str) -> list[str]:
-    """Lines that mention a warning, a traceback or a tip, other than the documented actionable ones."""
-    return [line for line in output.splitlines() if NOISE.search(line) and not any(a in line for a in ACTIONABLE)]
+from helpers import TINY, noise, read_metrics, run_cli, run_job
 
 
 def step_lines(output: str) -> list[tuple[int, int]]:
@@ -60,12 +53,28 @@ def test_default_run_is_quiet_and_its_printed_continue_command_continues_it(tmp_
     steps = [int(r["step"]) for r in read_metrics(run) if r.get("train/loss")]
     assert steps == [2, 3], steps  # this attempt's rows; the first attempt's are in metrics.attempt-0.csv
 
+    from lit_titan.report.__main__ import main as report  # the other printed command (in-process: no imports)
+
+    report([str(run)])
+    assert (run / "report.html").stat().st_size > 0
+
+
+def _own_text(directory: Path) -> Path:
+    """A directory of .txt files, as a user's own text (the interpreter's library source as prose)."""
+    directory.mkdir()
+    sources = sorted(Path(os.__file__).parent.glob("*.py"))[:40]
+    for i in range(4):
+        (directory / f"part{i}.txt").write_text("\n".join(p.read_text(errors="ignore") for p in sources[i::4]))
+    return directory
+
 
 @pytest.mark.slow
-def test_two_process_run_with_accumulation_is_quiet_and_counts_optimizer_steps(tmp_path):
-    """2 ranks x 2 micro-batches per step: one progress line per optimizer step, from rank 0 only."""
-    proc = run_cli([*TINY, "cluster=cpu", "cluster.devices=2", "data.micro_batch_size=2", "trainer.max_steps=3",
-                    "trainer.enable_progress_bar=true", "checkpoint.enabled=false"], tmp_path / "run")
+def test_two_process_run_on_own_text_with_accumulation_is_quiet_and_counts_optimizer_steps(tmp_path):
+    """README's own-text command on 2 ranks x 2 micro-batches per step: one progress line per optimizer step."""
+    texts = _own_text(tmp_path / "my_texts")
+    proc = run_cli([*TINY, "data=text", f"data.path={texts}", "cluster=cpu", "cluster.devices=2",
+                    "data.micro_batch_size=2", "trainer.max_steps=3", "trainer.enable_progress_bar=true",
+                    "checkpoint.enabled=false"], tmp_path / "run")
     out = proc.stdout + proc.stderr
     assert noise(out) == [], out[-4000:]
     assert step_lines(proc.stdout) == [(1, 3), (2, 3), (3, 3)], proc.stdout[-2000:]
@@ -156,3 +165,38 @@ def test_lit_titan_help_lists_every_subcommand(capsys):
 
         export.main(["--help"])
     assert "llama3_405b" in capsys.readouterr().out  # export's --model lists the flavors of conf/model/
+
+
+# Each command of README's "First hour" section -> where the tests run it.
+README_COMMANDS = {
+    "python -m lit_titan.train data=text data.path=my_texts/ trainer.max_steps=200":
+        "test_two_process_run_on_own_text_with_accumulation_is_quiet_and_counts_optimizer_steps",
+    "python -m lit_titan.train <notebook 04's SETTINGS + LAYOUT> run_dir=runs/to_parallel/dp2_tp2":
+        "tests/test_notebooks.py::test_notebook_runs[04_notebook_to_parallel]",
+}
+
+
+def _first_hour_commands() -> list[str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## First hour", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.DOTALL)
+    return [" ".join(block.replace("\\\n", " ").split()) for block in blocks]
+
+
+def test_readme_first_hour_commands_are_exercised():
+    """Every command in README's "First hour" is one the tests run (the printed next-step lines are run by
+    test_default_run_is_quiet_and_its_printed_continue_command_continues_it)."""
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "04_notebook_to_parallel.ipynb").read_text())
+    setup = next("".join(c["source"]) for c in nb["cells"] if "SETTINGS = [" in "".join(c["source"]))
+    scope: dict = {}
+    exec(setup, scope)  # the notebook's own definitions of the job it launches
+    notebook_job = " ".join(["python -m lit_titan.train", *scope["SETTINGS"], *scope["LAYOUT"],
+                             "run_dir=runs/to_parallel/dp2_tp2"])
+    commands = _first_hour_commands()
+    assert notebook_job in commands, (notebook_job, commands)
+    named = {c if c != notebook_job else
+             "python -m lit_titan.train <notebook 04's SETTINGS + LAYOUT> run_dir=runs/to_parallel/dp2_tp2"
+             for c in commands}
+    assert named == set(README_COMMANDS), named
+    for where in README_COMMANDS.values():
+        assert where.split("[")[0].split("::")[-1] in globals() or where.startswith("tests/test_notebooks.py"), where
