@@ -43,6 +43,14 @@ KNOWN_WARNINGS = (
                  "the cluster profile); each holds every key the launcher reads, so it works the same when "
                  "Hydra stops merging them with the plugin's schema",
           seen_with="hydra-core 1.3.8, hydra-submitit-launcher 1.2.0"),
+    Known(module=r"lightning\.pytorch\.loops\.training_epoch_loop",
+          message=r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is "
+                  r"not resumable",
+          reason="lit-titan resumes the data by counter: the datamodule's state_dict holds the data position and "
+                 "the sampler starts there (data/datamodule.py, batches.StepSampler), so the next batch is exactly "
+                 "the one an uninterrupted run reads (test_checkpoint.py::test_resume_is_bitwise_exact); Lightning "
+                 "only looks for a state_dict on the DataLoader itself",
+          seen_with="lightning 2.6.6"),
     Known(module=r"tqdm\.auto",
           message=r"IProgress not found",
           reason="importing Lightning in a Jupyter kernel without ipywidgets; lit-titan's progress bar prints "

@@ -123,9 +123,13 @@ def continue_command(cfg: DictConfig, run_dir: Path) -> str | None:
         return None
     steps, total = int(cfg.trainer.max_steps), int(cfg.optim.get("total_steps", cfg.trainer.max_steps))
     replaced = ("run_dir", "resume", "trainer.max_steps", "optim.total_steps")
-    own = [o for o in HydraConfig.get().overrides.task
-           if o.lstrip("+~").split("=", 1)[0] not in replaced and not o.startswith("hydra")]
-    return shlex.join(["python", "-m", "lit_titan.train", *own, f"run_dir={run_dir}",
+    hc = HydraConfig.get()
+    if Path(str(hc.runtime.output_dir)).resolve() != run_dir:  # set by an earlier job of this process, not ours
+        return None
+    own = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in replaced and not o.startswith("hydra")]
+    config_dirs = [arg for source in hc.runtime.config_sources if source.provider == "command-line"
+                   for arg in ("--config-dir", str(source.path).removeprefix("file://"))]  # the user's own groups
+    return shlex.join(["python", "-m", "lit_titan.train", *config_dirs, *own, f"run_dir={run_dir}",
                        "resume=auto", f"trainer.max_steps={2 * steps}", f"optim.total_steps={total}"])
 
 

@@ -59,7 +59,8 @@ def run_cli(overrides: list[str], run_dir: Path, *, check: bool = True, timeout:
 # Lines a user may see that mention a warning, each one asking the user to act (none on the default runs).
 # A dependency's message that a user cannot act on belongs in lit_titan/known_warnings.py instead.
 ACTIONABLE: tuple[str, ...] = ()
-_NOISE = re.compile(r"warn|traceback|tip:", re.IGNORECASE)
+# "file.py:LINE: message" is how Python prints a warning; Lightning's format drops the category name.
+_NOISE = re.compile(r"warn|traceback|tip:|^\S+\.py:\d+: ", re.IGNORECASE)
 
 
 def noise(output: str) -> list[str]:

@@ -19,13 +19,20 @@ import pytest
 from helpers import TINY, noise, read_metrics, run_cli, run_job
 
 
+def test_noise_finds_warnings_in_python_and_lightning_formats():
+    lightning = "/x/lightning/fabric/loggers/csv_logs.py:268: Experiment logs directory /r/ exists and is not empty."
+    python = "/x/datamodule.py:322: UserWarning: The validation split yields 13 sequences"
+    assert noise("\n".join(["step 1/2 | loss 8.1 | 5 tokens/s", lightning, python, "lit-titan: 2 steps"])) == [
+        lightning, python]
+
+
 def step_lines(output: str) -> list[tuple[int, int]]:
     return [(int(m.group(1)), int(m.group(2))) for m in re.finditer(r"^step (\d+)/(\d+) \| loss [\d.]+ \| ", output,
                                                                    re.MULTILINE)]
 
 
 def continue_command(output: str) -> str:
-    found = re.findall(r"^lit-titan: train \d+ more steps from the last checkpoint: (.+)$", output, re.MULTILINE)
+    found = re.findall(r"^lit-titan: train \d+ more steps? from the last checkpoint: (.+)$", output, re.MULTILINE)
     assert len(found) == 1, output[-3000:]
     return found[0]
 
@@ -200,3 +207,19 @@ def test_readme_first_hour_commands_are_exercised():
     assert named == set(README_COMMANDS), named
     for where in README_COMMANDS.values():
         assert where.split("[")[0].split("::")[-1] in globals() or where.startswith("tests/test_notebooks.py"), where
+
+
+def test_csv_logger_warns_only_when_it_would_replace_metrics(tmp_path):
+    """A run directory holding Hydra's record is normal (no warning); an earlier metrics.csv is not (warning)."""
+    from lit_titan.csv_logger import RunDirCSVLogger
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        RunDirCSVLogger(save_dir=str(tmp_path), name="", version="").experiment
+    assert [str(w.message) for w in seen] == []
+    (tmp_path / "metrics.csv").write_text("step,train/loss\n0,9.0\n")
+    with pytest.warns(UserWarning, match="metrics.csv exists from an earlier run"):
+        RunDirCSVLogger(save_dir=str(tmp_path), name="", version="").experiment
+    assert not (tmp_path / "metrics.csv").exists()

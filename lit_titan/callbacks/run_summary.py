@@ -71,5 +71,6 @@ class RunSummary(L.Callback):
         if self.tensorboard_dir:
             out.append(f"lit-titan: TensorBoard: tensorboard --logdir {self.tensorboard_dir}")
         if self.continue_command:
-            out.append(f"lit-titan: train {s['steps']} more steps from the last checkpoint: {self.continue_command}")
+            more = f"{s['steps']} more step" + ("s" if s["steps"] != 1 else "")
+            out.append(f"lit-titan: train {more} from the last checkpoint: {self.continue_command}")
         return out
