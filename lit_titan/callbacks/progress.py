@@ -33,7 +33,7 @@ class StepProgressBar(TQDMProgressBar):
     default it is on when stdout is not a terminal.
     """
 
-    BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar}| [{elapsed}<{remaining}{postfix}]"
+    BAR_FORMAT = "step {n_fmt}/{total_fmt} |{bar}| [{elapsed}<{remaining}{postfix}]"
 
     def __init__(self, refresh_rate: int = 1, plain: bool | None = None, file: Any = None) -> None:
         super().__init__(refresh_rate=refresh_rate)
@@ -65,14 +65,17 @@ class StepProgressBar(TQDMProgressBar):
         super().on_train_start(trainer, pl_module)
         self._t0, self._step0 = time.perf_counter(), trainer.global_step
         self._last_step = trainer.global_step
+        self._reset(trainer)  # Lightning skips on_train_epoch_start when it resumes mid-epoch
 
     def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        self._reset(trainer)
+
+    def _reset(self, trainer: L.Trainer) -> None:
         bar = self.train_progress_bar
-        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        bar.reset(total=total)
-        bar.initial = 0
-        bar.n = trainer.global_step  # a resumed run starts where its checkpoint left off
-        bar.set_description("step")
+        bar.reset(total=trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None)
+        # A resumed run starts where its checkpoint left off; tqdm's rate counts from `initial`.
+        bar.initial = bar.n = trainer.global_step
+        bar.refresh()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
