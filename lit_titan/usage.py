@@ -97,7 +97,7 @@ def render(command: str, extra_dirs: tuple[Path | str, ...] = (), intro: str | N
     """The ``--help`` text of ``lit-titan COMMAND`` (one that takes the training overrides)."""
     lines = [intro or INTRO.get(command) or f"lit-titan {command}: {COMMANDS[command]}", "",
              "== Config groups (choose one per group, e.g. model=llama3_8b; callbacks and logger take lists: "
-             "logger=[csv,tensorboard]) =="]
+             "logger=[csv,tensorboard]; a recipe is added: +recipe=NAME) =="]
     lines += [f"{group}: {', '.join(options)}" for group, options in config_groups(extra_dirs).items()]
     lines += ["", "== Most-used keys (KEY=VALUE; every key: python -m lit_titan.train --cfg job, "
                   "docs/configuration.md) =="]
