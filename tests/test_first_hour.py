@@ -223,3 +223,19 @@ def test_csv_logger_warns_only_when_it_would_replace_metrics(tmp_path):
     with pytest.warns(UserWarning, match="metrics.csv exists from an earlier run"):
         RunDirCSVLogger(save_dir=str(tmp_path), name="", version="").experiment
     assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_end_lines_name_tensorboard_and_mfu_when_known():
+    from lit_titan.callbacks import RunSummary
+    from lit_titan.config import compose
+    from lit_titan.train import _tensorboard_dir
+
+    tensorboard = _tensorboard_dir(compose(["logger=[csv,tensorboard]", "run_dir=/runs/a"]))
+    assert tensorboard == "/runs/a/tensorboard" and _tensorboard_dir(compose(["run_dir=/runs/a"])) is None
+    summary = RunSummary("/runs/a", continue_command=None, tensorboard_dir=tensorboard)
+    summary.summary = {"steps": 3, "tokens": 12288, "final_loss": 8.7, "tokens_per_second": 192.5,
+                       "train_seconds": 63.8, "mfu": 0.412}
+    lines = summary.lines()
+    assert lines[0] == "lit-titan: 3 steps, 12,288 tokens, final train/loss 8.7000, 192.5 tokens/s over 63.8 s, MFU 41.2%"
+    assert "lit-titan: TensorBoard: tensorboard --logdir /runs/a/tensorboard" in lines
+    assert not any("more step" in line for line in lines)  # no checkpoint to continue from: no command
