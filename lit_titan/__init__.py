@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_titan import known_warnings
+
+known_warnings.install()  # dependency messages a user cannot act on (the list and the reasons: that module)
+
 __all__ = ["PretrainModule", "TitanStrategy"]
 __version__ = "0.1.0"
 

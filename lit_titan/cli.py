@@ -36,8 +36,10 @@ def is_launcher_rank_zero() -> bool:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: lit-titan {{{','.join(COMMANDS)}}} [arguments...]", file=sys.stderr)
-        sys.exit(2)
+        from lit_titan.usage import cli_help  # every subcommand with one line
+
+        print(cli_help(), file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
+        sys.exit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     os.execv(sys.executable, [sys.executable, "-m", COMMANDS[argv[0]], *argv[1:]])
 
 

@@ -231,7 +231,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="dtype of the written weights (default fp32: lossless; bf16 halves the size)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    parser.add_argument("--model", default=None, help="model flavor, when the run's config.yaml is not there")
+    from lit_titan.usage import config_groups  # the flavors in conf/model/, so the list cannot drift
+
+    parser.add_argument("--model", default=None, help=f"model flavor ({', '.join(config_groups()['model'])}), when "
+                                                      f"the run's config.yaml is not there")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     return parser.parse_intermixed_args(argv)  # options may come between positionals
 

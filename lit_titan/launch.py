@@ -21,6 +21,11 @@ from lit_titan.strategies.parallel_dims import LayoutError
 
 def main(argv: list[str] | None = None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        from lit_titan.usage import render
+
+        print(render("launch", intro=__doc__.strip()))
+        return ""
     dry_run = "--dry-run" in argv
     overrides = [a for a in argv if a != "--dry-run"]
     cfg = compose(overrides)

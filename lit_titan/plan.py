@@ -93,7 +93,9 @@ def _write(cfg, name: str, obj: dict[str, Any]) -> Path:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__.strip())
+        from lit_titan.usage import render
+
+        print(render("plan", intro=__doc__.strip(), examples=False))  # the examples are in the docstring
         return {}
     if argv[:1] == ["--launch"]:
         print(launch_command(compose(argv[1:]), argv[1:]))

@@ -154,7 +154,9 @@ def summary_line(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__.strip())
+        from lit_titan.usage import render
+
+        print(render("prepare", intro=__doc__.strip(), examples=False))  # the examples are in the docstring
         return {}
     result = prepare(argv)
     print(summary_line(result))

@@ -42,13 +42,15 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
     """
     from lightning.pytorch.loggers import CSVLogger
 
+    from lit_titan.csv_logger import RunDirCSVLogger
+
     loggers: list = []
     for node in (cfg.get("logger") or {}).values():
         if "Wandb" in str(node.get("_target_", "")) and node.get("offline", False):
             os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network: `wandb sync` later
         loggers.append(_instantiate(node))
     if not any(isinstance(lg, CSVLogger) and Path(lg.log_dir).resolve() == run_dir for lg in loggers):
-        loggers.insert(0, CSVLogger(save_dir=str(run_dir), name="", version=""))
+        loggers.insert(0, RunDirCSVLogger(save_dir=str(run_dir), name="", version=""))
     return loggers
 
 
@@ -104,6 +106,39 @@ def resolve_resume(resume: str | None, run_dir: Path) -> str | None:
                               f"({', '.join(newer[-3:])}); resume from the newest with resume=auto, or pass a new "
                               f"run_dir= to branch off from this checkpoint")
     return str(path)
+
+
+def continue_command(cfg: DictConfig, run_dir: Path) -> str | None:
+    """The command line that trains this run ``trainer.max_steps`` more steps from its last checkpoint.
+
+    The user's own overrides (Hydra's record of this job), with ``run_dir`` and ``resume=auto``, the
+    doubled ``trainer.max_steps``, and ``optim.total_steps`` pinned to this run's, so the learning
+    rate schedule is the same and the new steps run at its final value. None when there will be no
+    checkpoint to resume from, or outside a Hydra job (``train(cfg)`` called directly).
+    """
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not cfg.checkpoint.enabled or not HydraConfig.initialized():
+        return None
+    steps, total = int(cfg.trainer.max_steps), int(cfg.optim.get("total_steps", cfg.trainer.max_steps))
+    replaced = ("run_dir", "resume", "trainer.max_steps", "optim.total_steps")
+    hc = HydraConfig.get()
+    if Path(str(hc.runtime.output_dir)).resolve() != run_dir:  # set by an earlier job of this process, not ours
+        return None
+    own = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in replaced and not o.startswith("hydra")]
+    config_dirs = [arg for source in hc.runtime.config_sources if source.provider == "command-line"
+                   for arg in ("--config-dir", str(source.path).removeprefix("file://"))]  # the user's own groups
+    return shlex.join(["python", "-m", "lit_titan.train", *config_dirs, *own, f"run_dir={run_dir}",
+                       "resume=auto", f"trainer.max_steps={2 * steps}", f"optim.total_steps={total}"])
+
+
+def _tensorboard_dir(cfg: DictConfig) -> str | None:
+    for node in (cfg.get("logger") or {}).values():
+        if "TensorBoardLogger" in str(node.get("_target_", "")):
+            return str(Path(str(node.save_dir)) / str(node.get("name") or "lightning_logs"))
+    return None
 
 
 def _say(message: str) -> None:
@@ -163,7 +198,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
 
     global_batch = int(cfg.data.global_batch_size)
     micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)
-    summary = RunSummary(run_dir=str(run_dir))
+    summary = RunSummary(run_dir=str(run_dir), continue_command=continue_command(cfg, run_dir),
+                         tensorboard_dir=_tensorboard_dir(cfg))
     configured = [_instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     all_callbacks = [summary, DataProgress(), *configured, *(callbacks or [])]
     if (cfg.get("preflight") or {}).get("enabled"):  # first: it may end the job before the others act
@@ -186,11 +222,13 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
                                             save_error=cfg.fault.get("save_error")))
     t = cfg.trainer
     accumulation = global_batch // (dims.dp * micro)
-    from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from lit_titan.callbacks import StepProgressBar
 
     if t.enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in all_callbacks):
-        # Redraw when a metrics row is written (each redraw is terminal output on the training thread).
-        all_callbacks.append(TQDMProgressBar(refresh_rate=max(1, int(t.log_every_n_steps)) * accumulation))
+        # In optimizer steps; redrawn when a metrics row is written (a redraw reads the logged loss).
+        all_callbacks.append(StepProgressBar(refresh_rate=max(1, int(t.log_every_n_steps))))
     trainer = L.Trainer(
         accelerator=cfg.cluster.accelerator, devices=cfg.cluster.devices, num_nodes=cfg.cluster.num_nodes,
         strategy=build_strategy(cfg), precision=cfg.precision, max_steps=int(t.max_steps),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,6 +54,18 @@ def run_cli(overrides: list[str], run_dir: Path, *, check: bool = True, timeout:
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+# Lines a user may see that mention a warning, each one asking the user to act (none on the default runs).
+# A dependency's message that a user cannot act on belongs in lit_titan/known_warnings.py instead.
+ACTIONABLE: tuple[str, ...] = ()
+# "file.py:LINE: message" is how Python prints a warning; Lightning's format drops the category name.
+_NOISE = re.compile(r"warn|traceback|tip:|^\S+\.py:\d+: ", re.IGNORECASE)
+
+
+def noise(output: str) -> list[str]:
+    """Lines that mention a warning, a traceback or a tip, other than the documented actionable ones."""
+    return [line for line in output.splitlines() if _NOISE.search(line) and not any(a in line for a in ACTIONABLE)]
 
 
 def _kill_group(pgid: int) -> None:

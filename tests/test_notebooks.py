@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import _JOB_ENV_DROP
+from helpers import _JOB_ENV_DROP, noise
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -74,5 +74,7 @@ def test_notebook_runs(path, tmp_path, kernel_name):
     print(f"{path.name}: {elapsed:.1f} s")
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
+    shown = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    assert noise(shown) == [], shown[-4000:]  # no warning a user cannot act on (issue 26)
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, f"{path.name} drew no plot"

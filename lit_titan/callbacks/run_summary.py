@@ -1,4 +1,9 @@
-"""Measures wall-clock throughput of a run and prints a short summary at the end (rank 0)."""
+"""Measures wall-clock throughput of a run and prints, at the end (rank 0), what to look at next.
+
+The last lines of a run are what a user reads: its figures (steps, tokens, tokens/s, final loss, MFU
+where the GPU's peak is known), where the metrics are and the command that shows them, and the
+command that trains this run further from its last checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,21 @@ import time
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+__all__ = ["RunSummary"]
+
 
 class RunSummary(L.Callback):
-    def __init__(self, run_dir: str | None = None) -> None:
+    """Collects the run summary (``self.summary``, returned by ``lit_titan.train.main``) and prints it.
+
+    ``continue_command``: the command line that resumes this run with more steps (built by the entry
+    point, which knows the user's overrides); ``tensorboard_dir``: set when a TensorBoard logger is on.
+    """
+
+    def __init__(self, run_dir: str | None = None, continue_command: str | None = None,
+                 tensorboard_dir: str | None = None) -> None:
         self.run_dir = run_dir
+        self.continue_command = continue_command
+        self.tensorboard_dir = tensorboard_dir
         self.summary: dict = {}
         self._t0: float | None = None
         self._steps0 = 0
@@ -25,19 +41,36 @@ class RunSummary(L.Callback):
         steps = trainer.global_step - self._steps0
         tokens_per_step = getattr(pl_module, "_tokens_per_step", 0)
         loss = trainer.callback_metrics.get("train/loss")
+        mfu = trainer.callback_metrics.get("perf/mfu")
         self.summary = {
             "steps": trainer.global_step,
+            "tokens": trainer.global_step * tokens_per_step,
             "final_loss": float(loss) if loss is not None else None,
             "train_seconds": round(elapsed, 2),
             "tokens_per_second": round(steps * tokens_per_step / elapsed, 1) if elapsed > 0 else None,
+            "mfu": float(mfu) if mfu is not None else None,
             "run_dir": self.run_dir,
             # which launcher Lightning recognised (SLURMEnvironment under Slurm/submitit, TorchElastic, ...)
             "cluster_environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
+            "continue_command": self.continue_command,
         }
+        rank_zero_info("\n" + "\n".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        """The end-of-run lines, each prefixed ``lit-titan:`` (so logs and notebooks can pick them out)."""
         s = self.summary
-        rank_zero_info(
-            f"\nlit-titan: {s['steps']} steps, final train/loss {s['final_loss']:.4f}, "
-            f"{s['tokens_per_second']} tokens/s over {s['train_seconds']} s\n"
-            f"outputs in {self.run_dir} (metrics.csv, config.yaml, checkpoints/)"
-            if s["final_loss"] is not None else f"\nlit-titan: done; outputs in {self.run_dir}"
-        )
+        if s.get("final_loss") is None:
+            return [f"lit-titan: done; outputs in {self.run_dir}"]
+        figures = (f"{s['steps']} steps, {s['tokens']:,} tokens, final train/loss {s['final_loss']:.4f}, "
+                   f"{s['tokens_per_second'] or 0:,} tokens/s over {s['train_seconds']} s")
+        if s.get("mfu") is not None:
+            figures += f", MFU {100 * s['mfu']:.1f}%"
+        out = [f"lit-titan: {figures}",
+               f"lit-titan: outputs in {self.run_dir} (metrics.csv, config.yaml, checkpoints/)",
+               f"lit-titan: see the metrics: lit-titan report {self.run_dir}  (writes report.html there)"]
+        if self.tensorboard_dir:
+            out.append(f"lit-titan: TensorBoard: tensorboard --logdir {self.tensorboard_dir}")
+        if self.continue_command:
+            more = f"{s['steps']} more step" + ("s" if s["steps"] != 1 else "")
+            out.append(f"lit-titan: train {more} from the last checkpoint: {self.continue_command}")
+        return out

@@ -316,7 +316,9 @@ class PretrainDataModule(L.LightningDataModule):
         self.val_split = next((sp for sp in (s.split("val", cache) for s in sources) if sp is not None), None)
         if self.val_split is not None:
             val_samples = int(self.val_split.samples_per_chunk(self.seq_len).sum())
-            if val_samples < dp_size * micro:
+            # Only when validation runs (limit_val_batches > 0): otherwise there is nothing to act on.
+            validating = self.trainer is None or bool(getattr(self.trainer, "limit_val_batches", 1))
+            if val_samples < dp_size * micro and validating:
                 rank_zero_warn(
                     f"The validation split yields {val_samples} sequences, fewer than one validation batch "
                     f"(dp_size x micro_batch_size = {dp_size * micro}): no validation batches. Raise "

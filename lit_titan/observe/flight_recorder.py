@@ -27,8 +27,10 @@ def enable(entries: int, hang_dir: Path) -> None:
     """
     if entries <= 0:
         return
-    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        os.environ.setdefault(var, str(int(entries)))
+    # TORCH_FR_BUFFER_SIZE only: torch >= 2.11 reads it, and warns on every rank when it meets the
+    # deprecated alias TORCH_NCCL_TRACE_BUFFER_SIZE (which a user may still export: it still works).
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(int(entries)))
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(hang_dir / "nccl-trace-rank"))
 

@@ -1,0 +1,94 @@
+"""The one place where lit-titan silences messages of its dependencies that a user cannot act on.
+
+Why: a new user reads every line of the first run; a warning they cannot act on teaches them to
+ignore warnings. Each entry names the emitting module and an exact message regex, why it is
+harmless in lit-titan's use, and the version it was seen with, so it can be dropped when the
+dependency changes. Never a blanket filter: any other warning still shows, and the test
+``tests/test_first_hour.py::test_default_run_prints_no_warning`` fails on a new one.
+
+Our own causes are fixed where they arise, not here (the run directory vs the CSV logger:
+``lit_titan/csv_logger.py``; the flight recorder's deprecated variable: ``observe/flight_recorder.py``).
+
+Installed on ``import lit_titan`` (every entry point, every rank, the notebooks).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from dataclasses import dataclass
+
+__all__ = ["KNOWN_WARNINGS", "KNOWN_LOG_LINES", "install"]
+
+
+@dataclass(frozen=True)
+class Known:
+    module: str  # regex on the module the message is attributed to (warnings) / the logger name (logging)
+    message: str  # regex matched from the start of the message
+    reason: str
+    seen_with: str
+
+
+KNOWN_WARNINGS = (
+    Known(module=r"lightning\.pytorch\.utilities\._pytree",
+          message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+          reason="Lightning's own pytree helper builds torch's LeafSpec, which torch deprecated; it works and "
+                 "only Lightning can change it",
+          seen_with="lightning 2.6.6, torch 2.15"),
+    # Hydra attributes it 11 frames up (stacklevel=11): to whichever caller composed the config.
+    Known(module=r".*",
+          message=r"\s*'hydra/launcher/submitit_(local|slurm)' is validated against ConfigStore",
+          reason="conf/hydra/launcher/submitit_*.yaml shadow the plugin's configs of the same name (filled from "
+                 "the cluster profile); each holds every key the launcher reads, so it works the same when "
+                 "Hydra stops merging them with the plugin's schema",
+          seen_with="hydra-core 1.3.8, hydra-submitit-launcher 1.2.0"),
+    Known(module=r"lightning\.pytorch\.loops\.training_epoch_loop",
+          message=r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is "
+                  r"not resumable",
+          reason="lit-titan resumes the data by counter: the datamodule's state_dict holds the data position and "
+                 "the sampler starts there (data/datamodule.py, batches.StepSampler), so the next batch is exactly "
+                 "the one an uninterrupted run reads (test_checkpoint.py::test_resume_is_bitwise_exact); Lightning "
+                 "only looks for a state_dict on the DataLoader itself",
+          seen_with="lightning 2.6.6"),
+    Known(module=r"tqdm\.auto",
+          message=r"IProgress not found",
+          reason="importing Lightning in a Jupyter kernel without ipywidgets; lit-titan's progress bar prints "
+                 "plain lines there (a kernel's stdout is not a terminal), so no widget is needed",
+          seen_with="tqdm 4.70.1, lightning 2.6.6"),
+)
+
+KNOWN_LOG_LINES = (
+    Known(module=r"lightning\.(pytorch|fabric)\.utilities\.rank_zero",
+          message=r"💡 Tip: For seamless cloud logging and experiment tracking, try installing \[litlogger\]",
+          reason="an advertisement for a hosted product, printed on every fit without a LitLogger",
+          seen_with="lightning 2.6.6"),
+)
+
+
+class _DropKnown(logging.Filter):
+    def __init__(self, patterns: list[re.Pattern[str]]) -> None:
+        super().__init__()
+        self.patterns = patterns
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.match(message) for p in self.patterns)
+
+
+_installed = False
+
+
+def install() -> None:
+    """Add one ``warnings`` filter per known warning and a logging filter for the known log lines (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for known in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=known.message, module=known.module)
+    # rank_zero_info logs through the logger of the rank_zero module that imported last (fabric's, then
+    # pytorch's); a filter applies to records of the logger it sits on, so it goes on both.
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        pattern = [re.compile(k.message) for k in KNOWN_LOG_LINES if re.fullmatch(k.module, name)]
+        logging.getLogger(name).addFilter(_DropKnown(pattern))
