@@ -13,11 +13,12 @@ from omegaconf import DictConfig, OmegaConf
 from lit_titan.errors import ConfigError
 from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import ModelArgs, get_flavor
+from lit_titan.schema import PRECISIONS
+from lit_titan.schema_check import check_schema
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 
 RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
                   "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "attention")
 # Keys whose null is a value (no rotary scaling), not "the flavor's default": passed whenever present.
@@ -65,10 +66,12 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+            cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
-        detail = str(err).strip() or str(err.__cause__ or "").strip() or type(err).__name__
-        raise ConfigError(f"{detail}\n(config groups and their options: {conf_dir()})") from err
+        detail = " ".join((str(err).strip() or str(err.__cause__ or "").strip() or type(err).__name__).split())
+        raise ConfigError(f"{detail}; config groups and their options: {conf_dir()}") from err
+    check_schema(cfg)  # a wrong type, unknown key or out-of-range value is refused here, at compose time
+    return cfg
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:
@@ -95,7 +98,21 @@ def parallel_dims(cfg: DictConfig) -> ParallelDims:
 
 
 def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
-    """Every check that needs no data, model weights or processes; raises ConfigError/LayoutError."""
+    """Every check that needs no data, model weights or processes; raises ConfigError/LayoutError.
+
+    First the schema (lit_titan/schema.py: types, unknown keys, ranges, choices), then the rules that
+    tie keys together. The same config gives the same answer on every rank, so such an error is
+    marked ``raised_on_every_rank``: under a launcher only the first rank prints it (cli.py).
+    """
+    try:
+        return _validate(cfg)
+    except ValueError as err:  # ConfigError and LayoutError are ValueErrors
+        err.raised_on_every_rank = True  # type: ignore[attr-defined]
+        raise
+
+
+def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
+    check_schema(cfg)
     try:
         args = model_args(cfg)
     except ValueError as err:
@@ -105,11 +122,7 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"precision={cfg.precision!r} is not supported; choose one of {PRECISIONS}")
-    seq_len = int(cfg.data.seq_len)
-    if seq_len < 1:
-        raise ConfigError(f"data.seq_len={seq_len} must be >= 1")
+    seq_len = int(cfg.data.seq_len)  # types and ranges of single keys: check_schema above
     if seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len={seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
                           f"{cfg.model.name}; lower data.seq_len or raise model.max_seq_len")
@@ -117,8 +130,6 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         from lit_titan.models.llama3.hf import check_hf_dir  # lazy: only runs that start from HF weights
 
         check_hf_dir(str(cfg.model.init_from_hf), args)  # FileNotFoundError / ConfigError naming the fix
-    if int(cfg.trainer.max_steps) < 1:
-        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
     _validate_fault(cfg, world_size(cfg))
     _validate_profiler(cfg)
     dims = parallel_dims(cfg)
