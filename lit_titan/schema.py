@@ -171,6 +171,17 @@ class ClusterSchema:  # conf/cluster/*.yaml
     log_every_n_steps: int = key(ge=1)
     data_workers: int = key(ge=0)
     flight_recorder_entries: int = key(ge=0)
+    # optional profile keys (no yaml of ours sets them): launches (lit-titan launch, hydra/launcher=submitit_*)
+    max_restarts: Optional[int] = key(ge=0)
+    partition: Optional[str] = key(check=_non_empty_str)
+    account: Optional[str] = key(check=_non_empty_str)
+    qos: Optional[str] = key(check=_non_empty_str)
+    constraint: Optional[str] = key(check=_non_empty_str)
+    time_min: Optional[int] = key(ge=1)
+    cpus_per_task: Optional[int] = key(ge=1)
+    mem_gb: Optional[float] = key(gt=0)
+    sbatch: Optional[Dict[str, Any]] = key()
+    setup: Optional[List[str]] = key()
 
 
 @dataclass

@@ -44,7 +44,7 @@ def _user_config_dir(root: Path) -> Path:
     (root / "model" / "my_llama.yaml").write_text(
         "defaults:\n  - llama3_debug\n  - _self_\ndim: 64\nn_layers: 2\nn_heads: 4\nn_kv_heads: 2\nvocab_size: 512\n")
     (root / "cluster").mkdir()
-    (root / "cluster" / "my_fleet.yaml").write_text("defaults:\n  - cpu\n  - _self_\nfleet: my_fleet\n")
+    (root / "cluster" / "my_fleet.yaml").write_text("defaults:\n  - cpu\n  - _self_\npartition: my_fleet\n")
     (root / "logger").mkdir()  # any Lightning logger class by _target_
     (root / "logger" / "mine.yaml").write_text(
         "mine:\n  _target_: lightning.pytorch.loggers.CSVLogger\n  save_dir: ${run_dir}\n  name: mine\n  version: ''\n")
@@ -58,7 +58,7 @@ def test_user_config_dir_loggers_and_profiler_by_target(tmp_path):
                     "logger=[csv,tensorboard,mine]", "profiler=simple", f"run_dir={run}"])
     assert summary["steps"] == 2 and summary["run_dir"] == str(run)
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    assert (cfg["model"]["dim"], cfg["model"]["name"], cfg["cluster"]["fleet"]) == (64, "llama3_debug", "my_fleet")
+    assert (cfg["model"]["dim"], cfg["model"]["name"], cfg["cluster"]["partition"]) == (64, "llama3_debug", "my_fleet")
     overrides = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
     assert "model=my_llama" in overrides and f"run_dir={run}" in overrides
     assert len(losses(run)) == 2  # metrics.csv, as always
