@@ -16,15 +16,34 @@ COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": 
 
 
 def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseException], ...]) -> None:
-    """Run an entry point's ``main``; an error in the user's input is one line and exit code 2."""
+    """Run an entry point's ``main``; an error in the user's input is one line and exit code 2.
+
+    ``HYDRA_FULL_ERROR=1`` (Hydra's own switch) shows the traceback instead.
+    """
     try:
         main()
     except user_errors as err:
-        # An error every rank of the job raised together (e.g. a failed checkpoint save, agreed
-        # collectively) is printed once, by the launcher's rank 0.
-        if not (getattr(err, "raised_on_every_rank", False) and not is_launcher_rank_zero()):
-            print(f"lit-titan: error: {err}", file=sys.stderr)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        report_user_error(err)
         sys.exit(2)
+
+
+def report_user_error(err: BaseException) -> None:
+    """``lit-titan: error: <message>`` on one line (stderr).
+
+    An error every rank of the job raises together (a bad config, missing data, a failed
+    checkpoint save agreed collectively: ``raised_on_every_rank``) is printed once, by the
+    launcher's rank 0, not once per rank.
+    """
+    if getattr(err, "raised_on_every_rank", False) and not is_launcher_rank_zero():
+        return
+    print(f"lit-titan: error: {one_line(err)}", file=sys.stderr, flush=True)
+
+
+def one_line(err: BaseException | str) -> str:
+    """A message as one line: its lines joined with '; ' (a terminal or a log grep sees one line per error)."""
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
 
 def is_launcher_rank_zero() -> bool:

@@ -69,8 +69,14 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
         detail = " ".join((str(err).strip() or str(err.__cause__ or "").strip() or type(err).__name__).split())
-        raise ConfigError(f"{detail}; config groups and their options: {conf_dir()}") from err
-    check_schema(cfg)  # a wrong type, unknown key or out-of-range value is refused here, at compose time
+        error = ConfigError(f"{detail}; config groups and their options: {conf_dir()}")
+        error.raised_on_every_rank = True  # type: ignore[attr-defined]
+        raise error from err
+    try:
+        check_schema(cfg)  # a wrong type, unknown key or out-of-range value is refused here, at compose time
+    except ConfigError as err:
+        err.raised_on_every_rank = True  # type: ignore[attr-defined]
+        raise
     return cfg
 
 

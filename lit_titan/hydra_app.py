@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_titan.config import RUN_DIR_ENV, conf_dir, validate, validate_launcher, world_size
 from lit_titan.errors import ConfigError
+from lit_titan.schema_inputs import check_inputs, check_run_dir
 
 CONFIG_NAME = "train"
 SUBMITIT_LAUNCHERS = ("submitit_local", "submitit_slurm")
@@ -119,7 +120,20 @@ def task(cfg: DictConfig) -> dict[str, Any]:
 
 
 def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> None:
-    """Compose and validate every job of the command line (each sweep point) before any of them starts."""
+    """Compose and validate every job of the command line (each sweep point) before any of them starts.
+
+    Also what the jobs point at (data, tokenizer, run_dir, Float8 hardware: lit_titan/schema_inputs.py),
+    so nothing, not even Hydra's run directory, is created for a job that cannot run. The answer is the
+    same on every rank of a launched job, so only the first prints it (cli.report_user_error).
+    """
+    try:
+        _check(hydra, config_name, overrides, mode)
+    except ValueError as err:  # ConfigError, LayoutError
+        err.raised_on_every_rank = True  # type: ignore[attr-defined]
+        raise
+
+
+def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> None:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -145,8 +159,10 @@ def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> None
         launcher = OmegaConf.create(OmegaConf.to_container(full.hydra.launcher, resolve=True)) \
             if mode == RunMode.MULTIRUN else None
         job_cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
-        validate(job_cfg)
+        args, _ = validate(job_cfg)
         validate_launcher(job_cfg, launcher)
+        check_run_dir(job_cfg.get("run_dir"))
+        check_inputs(job_cfg, args.vocab_size)
 
 
 class SweepSummary(Callback):
