@@ -155,7 +155,11 @@ def check_documents(cfg: DictConfig, *, one_batch: bool = True) -> None:
     try:
         corpus = text_corpus(root, data.get("max_bytes"))
     except (ValueError, OSError) as err:  # no documents, or only empty ones
-        raise ConfigError(f"data.path={data.path}: {_one_line(err)}") from None
+        text = _one_line(err)
+        what = ("no .txt/.jsonl documents there" if text.startswith("No documents") else
+                "every .txt/.jsonl document there is empty" if "are empty" in text else text)
+        raise ConfigError(f"data.path={data.path}: {what}; point data.path at a directory (or file) of non-empty "
+                          f".txt/.jsonl documents") from None
     for f in corpus.files:
         with open(f, "rb") as fh:
             if b"\0" in fh.read(BINARY_PROBE_BYTES):
