@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -113,16 +114,30 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     try:
         return _validate(cfg)
     except ValueError as err:  # ConfigError and LayoutError are ValueErrors
+        err.args = (keyed_line(str(err)),)
         err.raised_on_every_rank = True  # type: ignore[attr-defined]
         raise
+
+
+_KEYED = re.compile(r"^(?P<kv>[A-Za-z_][\w.\[\]]*=(?:\[[^\]]*\]|\{[^}]*\}|'[^']*'|\S+?))(?P<colon>:?) "
+                    r"(?P<rest>.*)$", re.S)
+
+
+def keyed_line(message: str) -> str:
+    """``key=value: what is wrong; what to do``: messages raised deeper down (ParallelDims, the model's
+    arguments, the profiler's windows) that start ``key=value must ...`` get the colon of that form."""
+    m = _KEYED.match(message)
+    return f"{m['kv']}: {m['rest']}" if m and not m["colon"] else message
 
 
 def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     check_schema(cfg)
     try:
         args = model_args(cfg)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    except ValueError as err:  # the model's own argument checks (models/llama3/args.py)
+        text = str(err)
+        raise ConfigError(text if "; " in text else f"{text}; change the model.* keys named (conf/model/"
+                                                    f"{cfg.model.name}.yaml has the flavor's)") from err
     _validate_targets(cfg)
     try:
         resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
@@ -130,8 +145,13 @@ def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         raise ConfigError(str(err)) from err
     seq_len = int(cfg.data.seq_len)  # types and ranges of single keys: check_schema above
     if seq_len > args.max_seq_len:
-        raise ConfigError(f"data.seq_len={seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
-                          f"{cfg.model.name}; lower data.seq_len or raise model.max_seq_len")
+        raise ConfigError(f"data.seq_len={seq_len}: exceeds the maximum sequence length {args.max_seq_len} of "
+                          f"{cfg.model.name}; use data.seq_len<={args.max_seq_len} or raise model.max_seq_len")
+    tok = cfg.data.get("tokenizer") or {}
+    if tok.get("kind") == "bpe" and tok.get("vocab_size") is not None and int(tok.vocab_size) > args.vocab_size:
+        raise ConfigError(f"data.tokenizer.vocab_size={tok.vocab_size}: larger than model.vocab_size="
+                          f"{args.vocab_size}, token ids would index past the embedding; use "
+                          f"data.tokenizer.vocab_size<={args.vocab_size} or raise model.vocab_size")
     if cfg.model.get("init_from_hf"):
         from lit_titan.models.llama3.hf import check_hf_dir  # lazy: only runs that start from HF weights
 
@@ -140,7 +160,7 @@ def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     _validate_profiler(cfg)
     dims = parallel_dims(cfg)
     if args.tie_embeddings and dims.pp > 1:
-        raise ConfigError(f"model.tie_embeddings=true ({cfg.model.name}) is not supported with parallel.pp={dims.pp}: "
+        raise ConfigError(f"model.tie_embeddings=true: ({cfg.model.name}) not supported with parallel.pp={dims.pp}: "
                           f"the embedding (first stage) and the output head (last stage) sit on different ranks, "
                           f"and torch's pipeline schedules do not sum a shared weight's gradients across stages; "
                           f"use parallel.pp=1 (FSDP/TP keep it tied) or model.tie_embeddings=false")
@@ -149,25 +169,26 @@ def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
                   global_batch_size=int(cfg.data.global_batch_size),
                   micro_batch_size=cfg.data.micro_batch_size)
     if cfg.data.get("document_masking") and (dims.pp > 1 or dims.cp > 1):
-        raise ConfigError("data.document_masking=true is not supported with parallel.pp > 1 or parallel.cp > 1: "
+        raise ConfigError("data.document_masking=true: not supported with parallel.pp > 1 or parallel.cp > 1 ("
                           "the pipeline stages and CP's all-gather-KV attention receive no document ids (CP would "
-                          "also need the block mask split per chunk); set data.document_masking=false or pp=cp=1")
+                          "also need the block mask split per chunk)); set data.document_masking=false or pp=cp=1")
     if args.attention == "flex" and str(cfg.cluster.get("accelerator", "")) == "cpu":
-        raise ConfigError("model.attention=flex cannot train on CPU: torch's flex_attention has no CPU backward "
+        raise ConfigError("model.attention=flex: cannot train on CPU, torch's flex_attention has no CPU backward "
                           "(torch 2.15); use model.attention=sdpa (document masking then uses a dense mask) "
                           "or a GPU cluster profile")
     if args.attention == "flex" and dims.cp > 1:
-        raise ConfigError("model.attention=flex is not supported with parallel.cp > 1 (CP's attention is SDPA); "
+        raise ConfigError("model.attention=flex: not supported with parallel.cp > 1 (CP's attention is SDPA); "
                           "set model.attention=sdpa")
     if cfg.data.get("document_positions") and (dims.pp > 1 or dims.cp > 1):
-        raise ConfigError("data.document_positions=true is not supported with parallel.pp > 1 or parallel.cp > 1 yet; "
+        raise ConfigError("data.document_positions=true: not supported with parallel.pp > 1 or parallel.cp > 1 yet; "
                           "set data.document_positions=false")
     if dims.pp > 1:
         micro = int(cfg.data.micro_batch_size or int(cfg.data.global_batch_size) // dims.dp)
         pipeline_config(cfg).validate(pp=dims.pp, n_units=args.n_layers + 2, local_batch=micro)
         if cfg.parallel.pp_schedule in V_SHAPED and cfg.trainer.limit_val_batches:
-            raise LayoutError(f"validation under parallel.pp_schedule={cfg.parallel.pp_schedule} fails in torch's "
-                              f"schedule eval (torch 2.14); set trainer.limit_val_batches=0 or use Interleaved1F1B")
+            raise LayoutError(f"trainer.limit_val_batches={cfg.trainer.limit_val_batches}: validation under "
+                              f"parallel.pp_schedule={cfg.parallel.pp_schedule} fails in torch's schedule eval "
+                              f"(torch 2.14); set trainer.limit_val_batches=0 or use Interleaved1F1B")
     return args, dims
 
 
@@ -190,11 +211,11 @@ def _validate_targets(cfg: DictConfig) -> None:
     for group in ("logger", "callbacks"):
         for name, node in (cfg.get(group) or {}).items():
             if not isinstance(node, DictConfig) or "_target_" not in node:
-                raise ConfigError(f"{group}.{name} has no _target_; a {group} entry is a node like "
+                raise ConfigError(f"{group}.{name}={node}: has no _target_; a {group} entry is a node like "
                                   f"{{_target_: package.Class, ...}} (see conf/{group}/)")
     profiler = cfg.get("profiler")
     if profiler is not None and (not isinstance(profiler, DictConfig) or "_target_" not in profiler):
-        raise ConfigError("profiler has no _target_; use profiler=simple|advanced|pytorch or a node with _target_")
+        raise ConfigError(f"profiler={profiler}: has no _target_; use profiler=simple|advanced|pytorch or a node with _target_")
 
 
 def validate_launcher(cfg: DictConfig, launcher: DictConfig | None) -> None:
@@ -221,11 +242,16 @@ def _validate_fault(cfg: DictConfig, world: int) -> None:
     if fault.get("kill_rank") is None:
         return
     if fault.get("at_step") is None:
-        raise ConfigError("fault.kill_rank is set but fault.at_step is not; set the optimizer step to fail at")
+        raise ConfigError(f"fault.at_step=null: fault.kill_rank={fault.kill_rank} needs the step to fail at; set "
+                          f"fault.at_step=N (1..{cfg.trainer.max_steps})")
     if not 0 <= int(fault.kill_rank) < world:
-        raise ConfigError(f"fault.kill_rank={fault.kill_rank} is not a rank of this {world}-process job")
+        raise ConfigError(f"fault.kill_rank={fault.kill_rank}: not a rank of this {world}-process job; use 0.."
+                          f"{world - 1}")
+    if int(fault.at_step) > int(cfg.trainer.max_steps):
+        raise ConfigError(f"fault.at_step={fault.at_step}: after the run's last step (trainer.max_steps="
+                          f"{cfg.trainer.max_steps}), so the drill never fires; use 1..{cfg.trainer.max_steps}")
     if fault.get("during_save") and not cfg.checkpoint.enabled:
-        raise ConfigError("fault.during_save needs checkpoint.enabled=true")
+        raise ConfigError("fault.during_save=true: there is no save to fail during; set checkpoint.enabled=true")
 
 
 def _validate_grad_reduce_scatter(cfg: DictConfig, dims: ParallelDims) -> None:

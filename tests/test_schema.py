@@ -199,3 +199,28 @@ def test_choices_match_the_code_that_uses_them():
 def test_every_option_of_every_group_is_covered():
     groups = {p.name for p in Path(conf_dir()).iterdir() if p.is_dir() and p.name not in ("hydra", "__pycache__")}
     assert groups == {*GROUPS, "recipe"}, "a new config group needs its schema (lit_titan/schema.py) and GROUPS here"
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["cluster.devices=4", "parallel.dp_shard=3"], "parallel.dp_shard=3: the degrees"),
+    (["cluster.devices=4", "parallel.tp=4", "model.dim=96", "model.n_heads=6", "model.n_kv_heads=6"],
+     "parallel.tp=4: does not divide the model's n_heads=6; use parallel.tp in [1, 2, 3, 6]"),
+    (["cluster.devices=2", "parallel.tp=2", "data.seq_len=33"],
+     "data.seq_len=33: not divisible by tp=2; use a multiple of 2, e.g. data.seq_len=32"),
+    (["data.seq_len=4096"], "data.seq_len=4096: exceeds the maximum sequence length 2048 of llama3_debug; "
+                            "use data.seq_len<=2048"),
+    (["model.vocab_size=512", "data.tokenizer.vocab_size=1024"], "data.tokenizer.vocab_size=1024: larger than "
+                                                                  "model.vocab_size=512"),
+    (["model.dim=100", "model.n_heads=3"], "model.dim=100: must be divisible by model.n_heads=3"),
+    (["fault.kill_rank=0"], "fault.at_step=null: fault.kill_rank=0 needs the step to fail at; set fault.at_step=N"),
+    (["fault.kill_rank=0", "fault.at_step=500"], "fault.at_step=500: after the run's last step"),
+    (["cluster.devices=2", "fault.kill_rank=2", "fault.at_step=1"], "fault.kill_rank=2: not a rank of this "
+                                                                    "2-process job; use 0..1"),
+    (["callbacks=[profiler]", "callbacks.profiler.steps=[3,400]"], "callbacks.profiler.steps=[3, 400]: ends after"),
+    (["cluster.devices=2", "parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches=3: the per-rank"),
+])
+def test_cross_key_rules_name_the_key_and_the_valid_values(overrides, line):
+    with pytest.raises(ValueError) as info:  # ConfigError or LayoutError, both one line
+        validate(compose(overrides))
+    assert str(info.value).startswith(line) and "\n" not in str(info.value) and "; " in str(info.value), \
+        str(info.value)
