@@ -74,6 +74,13 @@ def _non_empty_str(value: Any) -> str | None:
     return None if isinstance(value, str) and value.strip() else "empty or not a string; give a non-empty string"
 
 
+def _errno_name(value: Any) -> str | None:
+    import errno
+
+    return None if isinstance(value, str) and hasattr(errno, value) else \
+        "not an errno name; use e.g. ENOSPC, EACCES, EIO"
+
+
 def _path_like(value: Any) -> str | None:
     return None if value is None or isinstance(value, str) else "not a path; give a path (a string) or null"
 
@@ -230,7 +237,7 @@ class FaultSchema:
     kill_rank: Optional[int] = key(ge=0)
     at_step: Optional[int] = key(ge=1)
     during_save: bool = key()
-    save_error: Optional[str] = key(check=_non_empty_str)
+    save_error: Optional[str] = key(check=_errno_name)
 
 
 @dataclass

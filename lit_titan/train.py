@@ -222,4 +222,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     from lit_titan.cli import run_entry_point
 
-    run_entry_point(main, USER_ERRORS)
+    run_entry_point(main, USER_ERRORS, rank_failures=True)

@@ -121,3 +121,17 @@ def test_under_torchrun_only_the_first_rank_prints(tmp_path):
                               "lit_titan.train", "cluster.devices=2", "data.num_workers=-1"], tmp_path)
     ours = [line for line in lines if line.startswith(ERROR)]
     assert ours == [ERROR + "data.num_workers=-1: out of range; use a value >= 0"], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_runtime_failure_on_one_rank_is_one_line_naming_the_rank_and_its_log(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "scripts", "rank_failure.py")
+    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script], timeout=300,
+                   cwd=tmp_path)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
+    log = tmp_path / "logs" / "rank-1-error.txt"
+    assert proc.returncode != 0 and ours == [
+        f"{ERROR}rank 1 failed: RuntimeError: simulated failure on this rank (e.g. an I/O error); full traceback "
+        f"in {log}"], proc.stderr[-3000:]
+    assert 'raise RuntimeError("simulated failure' in log.read_text()
+    assert 'raise RuntimeError("simulated failure' not in proc.stderr  # no traceback of the rank on the console
