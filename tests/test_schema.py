@@ -224,3 +224,34 @@ def test_cross_key_rules_name_the_key_and_the_valid_values(overrides, line):
         validate(compose(overrides))
     assert str(info.value).startswith(line) and "\n" not in str(info.value) and "; " in str(info.value), \
         str(info.value)
+
+
+def documented_commands() -> list[str]:
+    """``python -m lit_titan.train|plan ...`` lines of README.md and docs/configuration.md (single runs)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    out = []
+    for doc in ("README.md", "docs/configuration.md"):
+        text = (root / doc).read_text().replace("\\\n", " ")
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.splitlines():
+                line = line.split("#")[0].strip()
+                if line.startswith(("python -m lit_titan.train", "python -m lit_titan.plan")) and \
+                        not any(flag in line.split()[3:] for flag in ("-m", "--cfg")):
+                    out.append(line)
+    return out
+
+
+@pytest.mark.parametrize("command", documented_commands())
+def test_documented_commands_pass_the_schema_and_validation(command):
+    import shlex
+
+    args = [a for a in shlex.split(command)[3:] if not a.startswith("--")]
+    cfg = compose(args)
+    if "model.init_from_hf=hf/my-llama" not in args:  # a placeholder directory: the schema check only
+        validate(cfg)
+
+
+def test_the_documented_commands_were_found():
+    assert len(documented_commands()) >= 6
