@@ -15,7 +15,7 @@ from lit_titan.errors import ConfigError
 from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import ModelArgs, get_flavor
 from lit_titan.schema import PRECISIONS
-from lit_titan.schema_check import check_schema
+from lit_titan.schema_check import check_schema, compose_error_line
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 
@@ -70,7 +70,9 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
         detail = " ".join((str(err).strip() or str(err.__cause__ or "").strip() or type(err).__name__).split())
-        error = ConfigError(f"{detail}; config groups and their options: {conf_dir()}")
+        line = compose_error_line(f"{detail} {err.__cause__ or ''}", list(overrides),
+                                  lambda group: sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")))
+        error = ConfigError(line or f"{detail}; config groups and their options: {conf_dir()}")
         error.raised_on_every_rank = True  # type: ignore[attr-defined]
         raise error from err
     try:

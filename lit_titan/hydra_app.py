@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_titan.config import RUN_DIR_ENV, conf_dir, validate, validate_launcher, world_size
 from lit_titan.errors import ConfigError
+from lit_titan.schema_check import compose_error_line
 from lit_titan.schema_inputs import check_inputs, check_run_dir
 
 CONFIG_NAME = "train"
@@ -142,7 +143,8 @@ def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> Non
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as err:
-        raise ConfigError(f"cannot parse the overrides: {_flat(err)}") from None
+        raise ConfigError(compose_error_line(_flat(err), overrides, lambda group: []) or
+                          f"cannot parse the overrides: {_flat(err)}") from None
     own = [o.input_line for o in parsed if _is_hydra_key(o.key_or_group)]
     job = [o for o in parsed if not _is_hydra_key(o.key_or_group)]
     if mode == RunMode.MULTIRUN:
@@ -288,22 +290,10 @@ class _one_line_errors:
         launcher = _launcher_choice(self.overrides)
         if launcher is not None and "hydra/launcher" in text:
             options = self.hydra.config_loader.get_group_options("hydra/launcher")
-            return f"hydra/launcher={launcher} is not a launcher; choose one of {', '.join(options)}"
-        missing = re.search(r"Could not override '([^']+)'", text)
-        if missing:
-            key = missing.group(1)
-            return (f"{key} is not a config key (override {_override_of(self.overrides, key)!r}); check its spelling "
-                    f"(python -m lit_titan.train --cfg job lists every key) or add a new key with +{key}=VALUE")
-        group = re.search(r"Could not (?:find|load) '([^']+)'", text)
-        if group:
-            name = group.group(1)
-            parent = name.rsplit("/", 1)[0]
-            try:
-                options = self.hydra.config_loader.get_group_options(parent)
-            except Exception:  # noqa: BLE001 - the plain message is still one line
-                options = []
-            return (f"no config {name!r}" + (f"; choose {parent}=<one of {', '.join(options)}>" if options else "") +
-                    " (your own files: --config-dir DIR with DIR/" + parent + "/NAME.yaml)")
+            return f"hydra/launcher={launcher}: not a launcher; choose one of {', '.join(options)}"
+        line = compose_error_line(text, self.overrides, self.hydra.config_loader.get_group_options)
+        if line:
+            return line
         return _flat(err)
 
 

@@ -13,6 +13,7 @@ import importlib
 import inspect
 import json
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -132,6 +133,35 @@ def field_rule(schema: type, dotted: str) -> dict[str, Any]:
     f = {f.name: f for f in dataclasses.fields(schema)}[head]
     kind = typing.get_type_hints(schema)[head]
     return field_rule(kind, rest) if rest else f.metadata.get("rule", {})
+
+
+def compose_error_line(text: str, overrides: list[str], options: Callable[[str], list[str]]) -> str | None:
+    """Hydra's composition errors as ``<override>: <what is wrong>; <what to do>`` (None: not one of these).
+
+    ``options(group)``: the group's options (its yaml files, including a ``--config-dir``'s).
+    """
+    import re
+
+    missing = re.search(r"Could not override '([^']+)'", text)
+    if missing:
+        key = missing.group(1)
+        given = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), key)
+        return (f"{given}: {key} is not a config key; check its spelling (python -m lit_titan.train --cfg job lists "
+                f"every key); a new key needs a yaml line and one line in lit_titan/schema.py (docs/configuration.md)")
+    group = re.search(r"Could not (?:find|load) '([^']+)'", text)
+    if group:
+        name = group.group(1)
+        parent, _, choice = name.rpartition("/")
+        try:
+            valid = options(parent)
+        except Exception:  # noqa: BLE001 - the line is still useful without the list
+            valid = []
+        return (f"{parent}={choice}: no such option" + (f"; choose one of {', '.join(valid)}" if valid else "") +
+                f" (your own files: --config-dir DIR with DIR/{parent}/NAME.yaml)")
+    parse = re.search(r"Error parsing override '([^']+)'", text)
+    if parse:
+        return f"{parse.group(1)}: cannot parse this override; write KEY=VALUE (or group=option, +KEY=VALUE)"
+    return None
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
