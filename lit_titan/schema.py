@@ -38,6 +38,7 @@ LAUNCHERS = ("torchrun", "srun")
 AC_MODES = ("none", "full", "selective_op", "selective_layer")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 NONFINITE_ACTIONS = ("skip", "stop")
+OPTIMIZERS = ("adamw", "lamb")
 
 
 def key(*, ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
@@ -103,6 +104,10 @@ class ModelSchema:  # conf/model/*.yaml
     tie_embeddings: Optional[bool] = key()
     attention: Optional[str] = key(choices=ATTENTIONS)
     init_from_hf: Optional[str] = key()
+    # issue 27 (megascale branch), learned ahead of the merge from its conf/model/*.yaml:
+    parallel_block: Optional[bool] = key()
+    sliding_window: Optional[int] = key(ge=1)
+    window_pattern: Optional[int] = key(ge=1)
 
 
 @dataclass
@@ -144,6 +149,7 @@ class DataSchema:  # conf/data/*.yaml
 
 @dataclass
 class OptimSchema:  # conf/optim/*.yaml
+    name: str = key(choices=OPTIMIZERS)  # issue 27: adamw | lamb
     lr: float = key(gt=0)
     min_lr_ratio: float = key(ge=0, le=1)
     betas: List[float] = key(check=lambda v: None if len(v) == 2 and all(0 <= b < 1 for b in v)
@@ -238,6 +244,16 @@ class FaultSchema:
     at_step: Optional[int] = key(ge=1)
     during_save: bool = key()
     save_error: Optional[str] = key(check=_errno_name)
+    slow_rank: Optional[int] = key(ge=0)  # issue 27's pre-flight drill
+    slow_factor: float = key(gt=0)
+
+
+@dataclass
+class PreflightSchema:  # issue 27: pre-flight diagnostics (lit_titan/preflight.py on the megascale branch)
+    enabled: bool = key()
+    action: str = key(choices=("warn", "stop"))
+    threshold: float = key(gt=0, le=1)
+    only: bool = key()
 
 
 @dataclass
@@ -256,6 +272,7 @@ class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydr
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
     fault: FaultSchema = field(default_factory=FaultSchema)
+    preflight: PreflightSchema = field(default_factory=PreflightSchema)
     # _target_ nodes: each checked against TARGET_SCHEMAS[its _target_] (lit_titan.schema_check)
     logger: Optional[Dict[str, Any]] = key()
     callbacks: Optional[Dict[str, Any]] = key()
@@ -387,6 +404,7 @@ TARGET_SCHEMAS: dict[str, type] = {
     "lit_titan.callbacks.Timeline": TimelineSchema,
     "lit_titan.callbacks.Watchdog": WatchdogSchema,
     "lightning.pytorch.loggers.CSVLogger": CSVLoggerSchema,
+    "lit_titan.csv_logger.RunDirCSVLogger": CSVLoggerSchema,  # issue 26 (firsthour branch): conf/logger/csv.yaml
     "lightning.pytorch.loggers.TensorBoardLogger": TensorBoardLoggerSchema,
     "lightning.pytorch.loggers.WandbLogger": WandbLoggerSchema,
     "lightning.pytorch.profilers.SimpleProfiler": LightningProfilerSchema,
