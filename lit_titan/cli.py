@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": "lit_titan.plan",
@@ -16,16 +18,102 @@ COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": 
             "preflight": "lit_titan.preflight"}
 
 
-def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseException], ...]) -> None:
-    """Run an entry point's ``main``; an error in the user's input is one line and exit code 2."""
+def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseException], ...],
+                    rank_failures: bool = False) -> None:
+    """Run an entry point's ``main``; an error in the user's input is one line and exit code 2.
+
+    ``rank_failures``: in a job of several processes, any other exception is one line naming the rank
+    and the file holding its traceback (``report_rank_failure``), exit code 1. ``HYDRA_FULL_ERROR=1``
+    (Hydra's own switch) shows the traceback instead.
+    """
     try:
         main()
     except user_errors as err:
-        # An error every rank of the job raised together (e.g. a failed checkpoint save, agreed
-        # collectively) is printed once, by the launcher's rank 0.
-        if not (getattr(err, "raised_on_every_rank", False) and not is_launcher_rank_zero()):
-            print(f"lit-titan: error: {err}", file=sys.stderr)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        report_user_error(err)
         sys.exit(2)
+    except Exception as err:  # noqa: BLE001 - a runtime failure (OOM, collective timeout, I/O) on some rank
+        if not rank_failures or os.environ.get("HYDRA_FULL_ERROR") == "1" or job_rank() is None:
+            raise  # one process: the traceback, as Python prints it
+        report_rank_failure(err)
+        sys.exit(1)
+
+
+def job_rank() -> int | None:
+    """This process's global rank in a job of several processes; None in a single-process run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() if dist.get_world_size() > 1 else None
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    return None
+
+
+def report_rank_failure(err: BaseException) -> Path:
+    """One line naming the rank and the file with its full traceback, instead of a traceback per rank.
+
+    The launcher (torchrun's agent, Lightning's process observer, Slurm) ends the other ranks when
+    this one exits; each failing rank prints its own line, so the first cause is not lost.
+    """
+    import traceback
+
+    rank = job_rank() or 0
+    run_dir = os.environ.get("LIT_TITAN_RUN_DIR")
+    log_dir = Path(run_dir) / "logs" if run_dir else Path(tempfile.gettempdir()) / "lit-titan-logs"
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        path = log_dir / f"rank-{rank}-error.txt"
+        path.write_text("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+        where = f"full traceback in {path}"
+    except OSError as write_err:  # the failure may be the disk itself: the traceback then goes to stderr
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+        path, where = Path("-"), f"traceback above (could not write {log_dir}: {write_err.strerror})"
+    if _is_peer_failure(err) and _another_rank_reported(log_dir, rank):
+        return path  # this rank only lost its peer: the first cause has its own line
+    summary = one_line(f"{type(err).__name__}: {err}")[:300]
+    print(f"lit-titan: error: rank {rank} failed: {summary}; {where}", file=sys.stderr, flush=True)
+    return path
+
+
+# What a collective raises on the ranks left when a peer dies (gloo; NCCL reports its peer's abort).
+_PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "NCCL communicator was aborted")
+
+
+def _is_peer_failure(err: BaseException) -> bool:
+    return any(text in str(err) for text in _PEER_GONE)
+
+
+def _another_rank_reported(log_dir: Path, rank: int, wait_s: float = 3.0) -> bool:
+    """Whether another rank wrote its error file (the cause of this rank's lost connection), waiting briefly."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        if any(p.name != f"rank-{rank}-error.txt" and p.stat().st_mtime > time.time() - 60  # not an earlier attempt's
+               for p in log_dir.glob("rank-*-error.txt")):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def report_user_error(err: BaseException) -> None:
+    """``lit-titan: error: <message>`` on one line (stderr).
+
+    An error every rank of the job raises together (a bad config, missing data, a failed
+    checkpoint save agreed collectively: ``raised_on_every_rank``) is printed once, by the
+    launcher's rank 0, not once per rank.
+    """
+    if getattr(err, "raised_on_every_rank", False) and not is_launcher_rank_zero():
+        return
+    print(f"lit-titan: error: {one_line(err)}", file=sys.stderr, flush=True)
+
+
+def one_line(err: BaseException | str) -> str:
+    """A message as one line: its lines joined with '; ' (a terminal or a log grep sees one line per error)."""
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
 
 def is_launcher_rank_zero() -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,12 @@ from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import ModelArgs, get_flavor
 from lit_titan.optim import check_optim
 from lit_titan.preflight import check_config as check_preflight
+from lit_titan.schema import PRECISIONS
+from lit_titan.schema_check import check_schema, compose_error_line
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
 
 RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
                   "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "attention", "parallel_block",
                   "sliding_window", "window_pattern")
@@ -68,10 +70,20 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+            cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
-        detail = str(err).strip() or str(err.__cause__ or "").strip() or type(err).__name__
-        raise ConfigError(f"{detail}\n(config groups and their options: {conf_dir()})") from err
+        detail = " ".join((str(err).strip() or str(err.__cause__ or "").strip() or type(err).__name__).split())
+        line = compose_error_line(f"{detail} {err.__cause__ or ''}", list(overrides),
+                                  lambda group: sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")))
+        error = ConfigError(line or f"{detail}; config groups and their options: {conf_dir()}")
+        error.raised_on_every_rank = True  # type: ignore[attr-defined]
+        raise error from err
+    try:
+        check_schema(cfg)  # a wrong type, unknown key or out-of-range value is refused here, at compose time
+    except ConfigError as err:
+        err.raised_on_every_rank = True  # type: ignore[attr-defined]
+        raise
+    return cfg
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:
@@ -98,27 +110,56 @@ def parallel_dims(cfg: DictConfig) -> ParallelDims:
 
 
 def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
-    """Every check that needs no data, model weights or processes; raises ConfigError/LayoutError."""
+    """Every check that needs no data, model weights or processes; raises ConfigError/LayoutError.
+
+    First the schema (lit_titan/schema.py: types, unknown keys, ranges, choices), then the rules that
+    tie keys together. The same config gives the same answer on every rank, so such an error is
+    marked ``raised_on_every_rank``: under a launcher only the first rank prints it (cli.py).
+    """
+    try:
+        return _validate(cfg)
+    except ValueError as err:  # ConfigError and LayoutError are ValueErrors
+        err.args = (keyed_line(str(err)),)
+        err.raised_on_every_rank = True  # type: ignore[attr-defined]
+        raise
+
+
+_KEYED = re.compile(r"^(?P<kv>[A-Za-z_][\w.\[\]]*=(?:\[[^\]]*\]|\{[^}]*\}|'[^']*'|\S+?))(?P<colon>:?) "
+                    r"(?P<rest>.*)$", re.S)
+
+
+def keyed_line(message: str) -> str:
+    """``key=value: what is wrong; what to do``: messages raised deeper down (ParallelDims, the model's
+    arguments, the profiler's windows) that start ``key=value must ...`` get the colon of that form."""
+    m = _KEYED.match(message)
+    return f"{m['kv']}: {m['rest']}" if m and not m["colon"] else message
+
+
+def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
+    check_schema(cfg)
     try:
         args = model_args(cfg)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
+    except ValueError as err:  # the model's own argument checks (models/llama3/args.py)
+        text = str(err)
+        raise ConfigError(text if "; " in text else f"{text}; change the model.* keys named (conf/model/"
+                                                    f"{cfg.model.name}.yaml has the flavor's)") from err
     _validate_targets(cfg)
     try:
         resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"precision={cfg.precision!r} is not supported; choose one of {PRECISIONS}")
-    seq_len = int(cfg.data.seq_len)
-    if seq_len < 1:
-        raise ConfigError(f"data.seq_len={seq_len} must be >= 1")
+    seq_len = int(cfg.data.seq_len)  # types and ranges of single keys: check_schema above
     if seq_len > args.max_seq_len:
-        raise ConfigError(f"data.seq_len={seq_len} exceeds the maximum sequence length {args.max_seq_len} of "
-                          f"{cfg.model.name}; lower data.seq_len or raise model.max_seq_len")
+        raise ConfigError(f"data.seq_len={seq_len}: exceeds the maximum sequence length {args.max_seq_len} of "
+                          f"{cfg.model.name}; use data.seq_len<={args.max_seq_len} or raise model.max_seq_len")
+    tok = cfg.data.get("tokenizer") or {}
+    if tok.get("kind") == "bpe" and tok.get("vocab_size") is not None and int(tok.vocab_size) > args.vocab_size:
+        raise ConfigError(f"data.tokenizer.vocab_size={tok.vocab_size}: larger than model.vocab_size="
+                          f"{args.vocab_size}, token ids would index past the embedding; use "
+                          f"data.tokenizer.vocab_size<={args.vocab_size} or raise model.vocab_size")
     if args.sliding_window is not None and args.sliding_window > seq_len:
-        raise ConfigError(f"model.sliding_window={args.sliding_window} exceeds data.seq_len={seq_len} (the window would "
-                          f"be the whole sequence); lower model.sliding_window or set it to null for full attention")
+        raise ConfigError(f"model.sliding_window={args.sliding_window}: exceeds data.seq_len={seq_len} (the window "
+                          f"would be the whole sequence); lower model.sliding_window or set it to null for full attention")
     if cfg.model.get("init_from_hf"):
         from lit_titan.models.llama3.hf import check_hf_dir  # lazy: only runs that start from HF weights
 
@@ -127,14 +168,12 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         check_optim(str(cfg.optim.get("name", "adamw")), cfg.optim.betas)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    if int(cfg.trainer.max_steps) < 1:
-        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1")
     _validate_fault(cfg, world_size(cfg))
     check_preflight(cfg.get("preflight"), cfg.get("fault"), world_size(cfg))
     _validate_profiler(cfg)
     dims = parallel_dims(cfg)
     if args.tie_embeddings and dims.pp > 1:
-        raise ConfigError(f"model.tie_embeddings=true ({cfg.model.name}) is not supported with parallel.pp={dims.pp}: "
+        raise ConfigError(f"model.tie_embeddings=true: ({cfg.model.name}) not supported with parallel.pp={dims.pp}: "
                           f"the embedding (first stage) and the output head (last stage) sit on different ranks, "
                           f"and torch's pipeline schedules do not sum a shared weight's gradients across stages; "
                           f"use parallel.pp=1 (FSDP/TP keep it tied) or model.tie_embeddings=false")
@@ -143,25 +182,26 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
                   global_batch_size=int(cfg.data.global_batch_size),
                   micro_batch_size=cfg.data.micro_batch_size)
     if cfg.data.get("document_masking") and dims.cp > 1:
-        raise ConfigError("data.document_masking=true is not supported with parallel.cp > 1: CP's all-gather-KV "
-                          "attention receives no document ids and would need the block mask split per chunk; "
+        raise ConfigError("data.document_masking=true: not supported with parallel.cp > 1 (CP's all-gather-KV "
+                          "attention receives no document ids and would need the block mask split per chunk); "
                           "set data.document_masking=false or parallel.cp=1")
     if args.attention == "flex" and str(cfg.cluster.get("accelerator", "")) == "cpu":
-        raise ConfigError("model.attention=flex cannot train on CPU: torch's flex_attention has no CPU backward "
+        raise ConfigError("model.attention=flex: cannot train on CPU, torch's flex_attention has no CPU backward "
                           "(torch 2.15); use model.attention=sdpa (document masking then uses a dense mask) "
                           "or a GPU cluster profile")
     if args.attention == "flex" and dims.cp > 1:
-        raise ConfigError("model.attention=flex is not supported with parallel.cp > 1 (CP's attention is SDPA); "
+        raise ConfigError("model.attention=flex: not supported with parallel.cp > 1 (CP's attention is SDPA); "
                           "set model.attention=sdpa")
     if cfg.data.get("document_positions") and dims.cp > 1:
-        raise ConfigError("data.document_positions=true is not supported with parallel.cp > 1 yet (CP shards the "
+        raise ConfigError("data.document_positions=true: not supported with parallel.cp > 1 yet (CP shards the "
                           "sequence and makes its own positions); set data.document_positions=false")
     if dims.pp > 1:
         micro = int(cfg.data.micro_batch_size or int(cfg.data.global_batch_size) // dims.dp)
         pipeline_config(cfg).validate(pp=dims.pp, n_units=args.n_layers + 2, local_batch=micro)
         if cfg.parallel.pp_schedule in V_SHAPED and cfg.trainer.limit_val_batches:
-            raise LayoutError(f"validation under parallel.pp_schedule={cfg.parallel.pp_schedule} fails in torch's "
-                              f"schedule eval (torch 2.14); set trainer.limit_val_batches=0 or use Interleaved1F1B")
+            raise LayoutError(f"trainer.limit_val_batches={cfg.trainer.limit_val_batches}: validation under "
+                              f"parallel.pp_schedule={cfg.parallel.pp_schedule} fails in torch's schedule eval "
+                              f"(torch 2.14); set trainer.limit_val_batches=0 or use Interleaved1F1B")
     return args, dims
 
 
@@ -184,11 +224,11 @@ def _validate_targets(cfg: DictConfig) -> None:
     for group in ("logger", "callbacks"):
         for name, node in (cfg.get(group) or {}).items():
             if not isinstance(node, DictConfig) or "_target_" not in node:
-                raise ConfigError(f"{group}.{name} has no _target_; a {group} entry is a node like "
+                raise ConfigError(f"{group}.{name}={node}: has no _target_; a {group} entry is a node like "
                                   f"{{_target_: package.Class, ...}} (see conf/{group}/)")
     profiler = cfg.get("profiler")
     if profiler is not None and (not isinstance(profiler, DictConfig) or "_target_" not in profiler):
-        raise ConfigError("profiler has no _target_; use profiler=simple|advanced|pytorch or a node with _target_")
+        raise ConfigError(f"profiler={profiler}: has no _target_; use profiler=simple|advanced|pytorch or a node with _target_")
 
 
 def validate_launcher(cfg: DictConfig, launcher: DictConfig | None) -> None:
@@ -215,11 +255,16 @@ def _validate_fault(cfg: DictConfig, world: int) -> None:
     if fault.get("kill_rank") is None:
         return
     if fault.get("at_step") is None:
-        raise ConfigError("fault.kill_rank is set but fault.at_step is not; set the optimizer step to fail at")
+        raise ConfigError(f"fault.at_step=null: fault.kill_rank={fault.kill_rank} needs the step to fail at; set "
+                          f"fault.at_step=N (1..{cfg.trainer.max_steps})")
     if not 0 <= int(fault.kill_rank) < world:
-        raise ConfigError(f"fault.kill_rank={fault.kill_rank} is not a rank of this {world}-process job")
+        raise ConfigError(f"fault.kill_rank={fault.kill_rank}: not a rank of this {world}-process job; use 0.."
+                          f"{world - 1}")
+    if int(fault.at_step) > int(cfg.trainer.max_steps):
+        raise ConfigError(f"fault.at_step={fault.at_step}: after the run's last step (trainer.max_steps="
+                          f"{cfg.trainer.max_steps}), so the drill never fires; use 1..{cfg.trainer.max_steps}")
     if fault.get("during_save") and not cfg.checkpoint.enabled:
-        raise ConfigError("fault.during_save needs checkpoint.enabled=true")
+        raise ConfigError("fault.during_save=true: there is no save to fail during; set checkpoint.enabled=true")
 
 
 def _validate_grad_reduce_scatter(cfg: DictConfig, dims: ParallelDims) -> None:

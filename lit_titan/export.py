@@ -248,7 +248,11 @@ def main(argv: list[str] | None = None) -> Path:
                                  max_shard_bytes=parse_size(opts.max_shard_size), model=opts.model,
                                  overrides=opts.overrides, overwrite=opts.overwrite)
     except USER_ERRORS as err:
-        print(f"lit-titan: error: {err}", file=sys.stderr)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        from lit_titan.cli import report_user_error
+
+        report_user_error(err)
         raise SystemExit(2) from None
 
 

@@ -29,6 +29,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_titan.config import RUN_DIR_ENV, conf_dir, validate, validate_launcher, world_size
 from lit_titan.errors import ConfigError
+from lit_titan.schema_check import compose_error_line
+from lit_titan.schema_inputs import check_inputs, check_run_dir
 
 CONFIG_NAME = "train"
 SUBMITIT_LAUNCHERS = ("submitit_local", "submitit_slurm")
@@ -117,7 +119,20 @@ def task(cfg: DictConfig) -> dict[str, Any]:
 
 
 def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> None:
-    """Compose and validate every job of the command line (each sweep point) before any of them starts."""
+    """Compose and validate every job of the command line (each sweep point) before any of them starts.
+
+    Also what the jobs point at (data, tokenizer, run_dir, Float8 hardware: lit_titan/schema_inputs.py),
+    so nothing, not even Hydra's run directory, is created for a job that cannot run. The answer is the
+    same on every rank of a launched job, so only the first prints it (cli.report_user_error).
+    """
+    try:
+        _check(hydra, config_name, overrides, mode)
+    except ValueError as err:  # ConfigError, LayoutError
+        err.raised_on_every_rank = True  # type: ignore[attr-defined]
+        raise
+
+
+def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> None:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -126,7 +141,8 @@ def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> None
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as err:
-        raise ConfigError(f"cannot parse the overrides: {_flat(err)}") from None
+        raise ConfigError(compose_error_line(_flat(err), overrides, lambda group: []) or
+                          f"cannot parse the overrides: {_flat(err)}") from None
     own = [o.input_line for o in parsed if _is_hydra_key(o.key_or_group)]
     job = [o for o in parsed if not _is_hydra_key(o.key_or_group)]
     if mode == RunMode.MULTIRUN:
@@ -143,8 +159,10 @@ def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> None
         launcher = OmegaConf.create(OmegaConf.to_container(full.hydra.launcher, resolve=True)) \
             if mode == RunMode.MULTIRUN else None
         job_cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
-        validate(job_cfg)
+        args, _ = validate(job_cfg)
         validate_launcher(job_cfg, launcher)
+        check_run_dir(job_cfg.get("run_dir"))
+        check_inputs(job_cfg, args.vocab_size)
 
 
 class SweepSummary(Callback):
@@ -270,22 +288,10 @@ class _one_line_errors:
         launcher = _launcher_choice(self.overrides)
         if launcher is not None and "hydra/launcher" in text:
             options = self.hydra.config_loader.get_group_options("hydra/launcher")
-            return f"hydra/launcher={launcher} is not a launcher; choose one of {', '.join(options)}"
-        missing = re.search(r"Could not override '([^']+)'", text)
-        if missing:
-            key = missing.group(1)
-            return (f"{key} is not a config key (override {_override_of(self.overrides, key)!r}); check its spelling "
-                    f"(python -m lit_titan.train --cfg job lists every key) or add a new key with +{key}=VALUE")
-        group = re.search(r"Could not (?:find|load) '([^']+)'", text)
-        if group:
-            name = group.group(1)
-            parent = name.rsplit("/", 1)[0]
-            try:
-                options = self.hydra.config_loader.get_group_options(parent)
-            except Exception:  # noqa: BLE001 - the plain message is still one line
-                options = []
-            return (f"no config {name!r}" + (f"; choose {parent}=<one of {', '.join(options)}>" if options else "") +
-                    " (your own files: --config-dir DIR with DIR/" + parent + "/NAME.yaml)")
+            return f"hydra/launcher={launcher}: not a launcher; choose one of {', '.join(options)}"
+        line = compose_error_line(text, self.overrides, self.hydra.config_loader.get_group_options)
+        if line:
+            return line
         return _flat(err)
 
 

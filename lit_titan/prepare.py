@@ -90,6 +90,12 @@ def prepare(argv: list[str], *, progress: bool = True) -> dict[str, Any]:
     out = check_out_dir(args.out).resolve()
     cfg = compose(list(args.overrides))
     data = cfg.data
+    if data.corpus == "text":  # one line naming data.path / data.tokenizer.path (lit_titan/schema_inputs.py)
+        from lit_titan.schema_inputs import check_documents, check_tokenizer_file
+
+        check_documents(cfg, one_batch=False)
+        if data.tokenizer.get("kind") == "hf":
+            check_tokenizer_file(data.tokenizer.get("path"), None)
     try:
         train, val = split_corpus(load_corpus(data.corpus, data.path, data.max_bytes), float(data.val_fraction))
         tokenizer, source = _tokenizer(data, train, out)

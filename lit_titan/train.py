@@ -176,6 +176,10 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     from lit_titan.module import PretrainModule
 
     args, dims = validate(cfg)
+    from lit_titan.schema_inputs import check_inputs, check_run_dir
+
+    check_run_dir(cfg.run_dir)
+    check_inputs(cfg, args.vocab_size)  # data, tokenizer, Float8 hardware: before any rank starts
     run_dir = resolve_run_dir(cfg)
     resume = resolve_resume(cfg.resume, run_dir)
     OmegaConf.update(cfg, "run_dir", str(run_dir))
@@ -267,4 +271,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     from lit_titan.cli import run_entry_point
 
-    run_entry_point(main, USER_ERRORS)
+    run_entry_point(main, USER_ERRORS, rank_failures=True)

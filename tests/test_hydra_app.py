@@ -44,7 +44,7 @@ def _user_config_dir(root: Path) -> Path:
     (root / "model" / "my_llama.yaml").write_text(
         "defaults:\n  - llama3_debug\n  - _self_\ndim: 64\nn_layers: 2\nn_heads: 4\nn_kv_heads: 2\nvocab_size: 512\n")
     (root / "cluster").mkdir()
-    (root / "cluster" / "my_fleet.yaml").write_text("defaults:\n  - cpu\n  - _self_\nfleet: my_fleet\n")
+    (root / "cluster" / "my_fleet.yaml").write_text("defaults:\n  - cpu\n  - _self_\npartition: my_fleet\n")
     (root / "logger").mkdir()  # any Lightning logger class by _target_
     (root / "logger" / "mine.yaml").write_text(
         "mine:\n  _target_: lightning.pytorch.loggers.CSVLogger\n  save_dir: ${run_dir}\n  name: mine\n  version: ''\n")
@@ -58,7 +58,7 @@ def test_user_config_dir_loggers_and_profiler_by_target(tmp_path):
                     "logger=[csv,tensorboard,mine]", "profiler=simple", f"run_dir={run}"])
     assert summary["steps"] == 2 and summary["run_dir"] == str(run)
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    assert (cfg["model"]["dim"], cfg["model"]["name"], cfg["cluster"]["fleet"]) == (64, "llama3_debug", "my_fleet")
+    assert (cfg["model"]["dim"], cfg["model"]["name"], cfg["cluster"]["partition"]) == (64, "llama3_debug", "my_fleet")
     overrides = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
     assert "model=my_llama" in overrides and f"run_dir={run}" in overrides
     assert len(losses(run)) == 2  # metrics.csv, as always
@@ -93,11 +93,11 @@ def test_info_and_help_from_the_command_line(tmp_path):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["-m", "hydra/launcher=slurmish"], "hydra/launcher=slurmish is not a launcher; choose one of basic, submitit_local"),
+    (["-m", "hydra/launcher=slurmish"], "hydra/launcher=slurmish: not a launcher; choose one of basic, submitit_local"),
     (["-m", "optim.lrr=1e-3,3e-4"], "optim.lrr is not a config key"),
     (["--config-dir", "/nonexistent/team_conf"], "--config-dir /nonexistent/team_conf: no such directory"),
     (["seed=0,1"], "add -m (--multirun)"),
-    (["logger=[csv,mlflow]"], "choose logger=<one of csv, tensorboard, wandb>"),
+    (["logger=[csv,mlflow]"], "logger=mlflow: no such option; choose one of csv, tensorboard, wandb"),
     (["hydra/launcher=submitit_local", "cluster.devices=2", "hydra.launcher.tasks_per_node=1"],
      "= 1 ranks but the layout needs cluster.num_nodes x cluster.devices = 2"),
     (["hydra/launcher=submitit_slurm", "cluster=h100_8", "cluster.devices=16"], "cluster.gpus_per_node=8"),
@@ -116,8 +116,9 @@ def test_bad_sweep_from_the_command_line_is_one_line(tmp_path):
                     f"run_dir={tmp_path / 'sweep'}"], timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
-        "lit-titan: error: optim.lrr is not a config key (override 'optim.lrr=1e-3'); check its spelling "
-        "(python -m lit_titan.train --cfg job lists every key) or add a new key with +optim.lrr=VALUE"]
+        "lit-titan: error: optim.lrr=1e-3: optim.lrr is not a config key; check its spelling (python -m "
+        "lit_titan.train --cfg job lists every key); a new key needs a yaml line and one line in lit_titan/schema.py "
+        "(docs/configuration.md)"]
     assert not (tmp_path / "sweep").exists()
 
 

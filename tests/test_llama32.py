@@ -37,7 +37,7 @@ def test_config_keys_compose_and_null_scaling():
 
 def test_tied_refused_under_pp_with_the_reason():
     cfg = compose([*TINY, "model.tie_embeddings=true", "cluster.devices=2", "parallel.pp=2"])
-    with pytest.raises(ConfigError, match="model.tie_embeddings=true .* parallel.pp=2.*different ranks"):
+    with pytest.raises(ConfigError, match="model.tie_embeddings=true: .* parallel.pp=2.*different ranks"):
         validate(cfg)
 
 

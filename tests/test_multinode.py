@@ -253,7 +253,7 @@ def test_printed_commands_find_node_zero_and_agree_on_run_dir():
     (["cluster.num_nodes=2", "cluster.devices=2", "parallel.dp_replicate=2", "parallel.dp_shard=4"],
      "cluster.num_nodes"),
     (["cluster=h100_64", "cluster.devices=16"], "cluster.gpus_per_node=8"),
-    (["cluster.launcher=mpirun"], "cluster.launcher='mpirun'"),
+    (["cluster.launcher=mpirun"], "cluster.launcher=mpirun: not an option; choose one of torchrun, srun"),  # schema
 ], ids=["nodes-x-devices-vs-layout", "devices-above-gpus-per-node", "unknown-launcher"])
 def test_a_profile_that_does_not_fit_the_layout_is_one_line(overrides, names):
     with pytest.raises(ConfigError, match=re.escape(names)):

@@ -75,7 +75,7 @@ def test_window_longer_than_seq_len_one_line():
     with pytest.raises(ConfigError) as info:
         validate(compose([*TINY, "model.sliding_window=64"]))  # TINY: data.seq_len=32
     msg = str(info.value)
-    assert "model.sliding_window=64 exceeds data.seq_len=32" in msg and "\n" not in msg
+    assert "model.sliding_window=64: exceeds data.seq_len=32" in msg and "\n" not in msg
 
 
 STEPS = 10

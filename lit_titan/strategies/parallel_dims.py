@@ -42,14 +42,15 @@ class ParallelDims:
         if dp_shard == -1:
             if world_size % others:
                 raise LayoutError(
-                    f"pp*dp_replicate*cp*tp = {pp}*{dp_replicate}*{cp}*{tp} = {others} does not divide the "
-                    f"world size {world_size}; change the degrees or cluster.devices/num_nodes"
+                    f"parallel.dp_shard=-1: pp*dp_replicate*cp*tp = {pp}*{dp_replicate}*{cp}*{tp} = {others} does "
+                    f"not divide the world size {world_size} (cluster.devices x cluster.num_nodes); change the "
+                    f"degrees or cluster.devices/num_nodes"
                 )
             dp_shard = world_size // others
         if others * dp_shard != world_size:
             raise LayoutError(
-                f"parallel degrees pp*dp_replicate*dp_shard*cp*tp = {pp}*{dp_replicate}*{dp_shard}*{cp}*{tp} = "
-                f"{others * dp_shard} but the world size is {world_size}; set parallel.dp_shard=-1 or change "
+                f"parallel.dp_shard={dp_shard}: the degrees pp*dp_replicate*dp_shard*cp*tp = {pp}*{dp_replicate}*"
+                f"{dp_shard}*{cp}*{tp} = {others * dp_shard} but the world size is {world_size}; set parallel.dp_shard=-1 or change "
                 f"cluster.devices (processes per node) / cluster.num_nodes to match"
             )
         return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size)
@@ -86,24 +87,26 @@ class ParallelDims:
     def validate(self, *, n_heads: int | None = None, n_kv_heads: int | None = None, seq_len: int | None = None,
                  global_batch_size: int | None = None, micro_batch_size: int | None = None) -> None:
         if n_heads is not None and n_heads % self.tp:
-            raise LayoutError(f"model n_heads={n_heads} is not divisible by parallel.tp={self.tp}; choose a tp "
-                              f"that divides it")
+            raise LayoutError(f"parallel.tp={self.tp}: does not divide the model's n_heads={n_heads}; use "
+                              f"parallel.tp in {_divisors(n_heads)}")
         if n_kv_heads is not None and n_kv_heads % self.tp:
-            raise LayoutError(f"model n_kv_heads={n_kv_heads} is not divisible by parallel.tp={self.tp}; choose a "
-                              f"tp that divides it")
+            raise LayoutError(f"parallel.tp={self.tp}: does not divide the model's n_kv_heads={n_kv_heads}; use "
+                              f"parallel.tp in {_divisors(n_kv_heads)}")
         if seq_len is not None:
             # cp>1 splits each sequence into 2*cp chunks (causal load balance); tp>1 shards it by tp
             # between blocks (sequence parallel).
             unit = self.tp * (2 * self.cp if self.cp > 1 else 1)
             if seq_len % unit:
-                raise LayoutError(f"data.seq_len={seq_len} must be divisible by "
-                                  f"{'2*cp*tp' if self.cp > 1 else 'tp'}={unit}; change data.seq_len")
+                raise LayoutError(f"data.seq_len={seq_len}: not divisible by "
+                                  f"{'2*cp*tp' if self.cp > 1 else 'tp'}={unit}; use a multiple of {unit}, e.g. "
+                                  f"data.seq_len={max(unit, seq_len // unit * unit)}")
         if global_batch_size is not None:
             micro = micro_batch_size or max(global_batch_size // self.dp, 1)
             if global_batch_size % (self.dp * micro):
                 raise LayoutError(
-                    f"data.global_batch_size={global_batch_size} is not divisible by data-parallel size "
-                    f"{self.dp} x micro-batch {micro}; change data.global_batch_size or data.micro_batch_size"
+                    f"data.global_batch_size={global_batch_size}: not divisible by data-parallel size "
+                    f"{self.dp} x micro-batch {micro}; use a multiple of {self.dp * micro} or change "
+                    f"data.micro_batch_size"
                 )
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
@@ -122,3 +125,7 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         return mesh, views
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -51,15 +51,17 @@ class PipelineConfig:
             raise LayoutError(f"parallel.pp_schedule={self.schedule} needs >= 2 stages per rank; set "
                               f"parallel.pp_stages_per_rank=2 or use 1F1B/GPipe")
         if pp is not None and n_units is not None and n_units < pp * per_rank:
-            raise LayoutError(f"{n_units} pipeline units (embedding, blocks, head) cannot fill pp x stages per rank "
-                              f"= {pp * per_rank} stages; lower parallel.pp or parallel.pp_stages_per_rank")
+            raise LayoutError(f"parallel.pp={pp}: {n_units} pipeline units (embedding, blocks, head) cannot fill pp "
+                              f"x stages per rank = {pp * per_rank} stages; lower parallel.pp or "
+                              f"parallel.pp_stages_per_rank")
         microbatches = self.microbatches_for(pp) if pp else None
         if pp and self.schedule == "DualPipeV" and microbatches < pp * per_rank:
-            raise LayoutError(f"DualPipeV needs at least as many micro-batches as stages ({pp * per_rank}); raise "
-                              f"parallel.pp_microbatches (the per-rank batch must split into them)")
+            raise LayoutError(f"parallel.pp_microbatches={microbatches}: DualPipeV needs at least as many micro-batches "
+                              f"as stages ({pp * per_rank}); raise parallel.pp_microbatches (the per-rank batch must "
+                              f"split into them)")
         if local_batch is not None and microbatches and local_batch % microbatches:
-            raise LayoutError(f"the per-rank batch of {local_batch} sequences does not split into "
-                              f"parallel.pp_microbatches={microbatches}; change data.micro_batch_size, "
+            raise LayoutError(f"parallel.pp_microbatches={microbatches}: the per-rank batch of {local_batch} "
+                              f"sequences does not split into {microbatches} micro-batches; change data.micro_batch_size, "
                               f"data.global_batch_size or parallel.pp_microbatches")
 
     def microbatches_for(self, pp: int) -> int:

@@ -1,0 +1,415 @@
+"""The typed schema of the whole config tree: one dataclass field per config key, with its range.
+
+Why a schema module: OmegaConf refuses a wrong type or an unknown key only when it has a structured
+config (a dataclass) to merge into; ``lit_titan.schema_check`` merges the composed job config into
+``TrainSchema`` (OmegaConf does the type checks) and then checks each field's ``key(...)`` rule
+(ranges, choices). So **adding a config key is one line here**, in the dataclass of its group::
+
+    sliding_window: Optional[int] = key(ge=1)          # in ModelSchema, for conf/model/*.yaml's model.sliding_window
+
+and a yaml key without such a line is refused by name (``tests/test_schema.py`` composes every option of
+every group, so a new yaml key with no schema line fails the suite). ``_target_`` nodes (callbacks,
+loggers, profiler) are looked up by their ``_target_`` in ``TARGET_SCHEMAS``; a user's own class is
+checked by its constructor's signature instead.
+
+Defaults are ``MISSING`` on purpose: the yaml files hold the defaults, this module only says what is
+allowed (a group option that leaves a key out is fine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+# Choices the code accepts (kept in step with the modules that use them: tests/test_schema.py compares).
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                "DualPipeV")
+GRAD_REDUCE_SCATTER = ("every_microbatch", "last_microbatch")
+LR_SCHEDULES = ("cosine", "wsd", "constant")
+CORPORA = ("stdlib", "text", "tokens", "mixture")
+TOKENIZER_KINDS = ("bpe", "hf", "shards")
+ATTENTIONS = ("sdpa", "flex")
+ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
+LAUNCHERS = ("torchrun", "srun")
+AC_MODES = ("none", "full", "selective_op", "selective_layer")
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+NONFINITE_ACTIONS = ("skip", "stop")
+OPTIMIZERS = ("adamw", "lamb")
+
+
+def key(*, ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+        choices: Sequence[Any] | None = None, check: Callable[[Any], str | None] | None = None,
+        allow: Sequence[Any] = ()) -> Any:
+    """A config key's rule: bounds (``ge``/``gt``/``le``/``lt``), ``choices``, or ``check(value)`` returning
+    what is wrong (None: fine). ``allow``: extra values accepted outside the bounds (``dp_shard=-1``).
+    None passes every rule (the field's ``Optional[...]`` type decides whether null is allowed)."""
+    rule = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=tuple(choices) if choices else None,
+                                  check=check, allow=tuple(allow)).items() if v not in (None, ())}
+    return field(default=MISSING, metadata={"rule": rule})
+
+
+def _chunk_tokens(value: Any) -> str | None:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return None
+    return "not auto or a token count; use auto, 0 (off) or a positive number of tokens"
+
+
+def _number_or_fraction(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        return "not a count or a fraction; use an int >= 0 (that many) or a float in [0, 1] (that fraction)"
+    if isinstance(value, float) and value > 1:
+        return "a float is a fraction; use one in [0, 1], or an int for a count"
+    return None
+
+
+def _positive_number_or_fraction(value: Any) -> str | None:
+    problem = _number_or_fraction(value)
+    return problem or ("zero; use an int >= 1 or a fraction in (0, 1]" if value == 0 else None)
+
+
+def _non_empty_str(value: Any) -> str | None:
+    return None if isinstance(value, str) and value.strip() else "empty or not a string; give a non-empty string"
+
+
+def _errno_name(value: Any) -> str | None:
+    import errno
+
+    return None if isinstance(value, str) and hasattr(errno, value) else \
+        "not an errno name; use e.g. ENOSPC, EACCES, EIO"
+
+
+def _path_like(value: Any) -> str | None:
+    return None if value is None or isinstance(value, str) else "not a path; give a path (a string) or null"
+
+
+# ---- groups ---------------------------------------------------------------------------------------------
+@dataclass
+class ModelSchema:  # conf/model/*.yaml
+    name: str = key(check=_non_empty_str)
+    vocab_size: int = key(ge=1)
+    dim: Optional[int] = key(ge=1)
+    n_layers: Optional[int] = key(ge=1)
+    n_heads: Optional[int] = key(ge=1)
+    n_kv_heads: Optional[int] = key(ge=1)
+    ffn_dim_multiplier: Optional[float] = key(gt=0)
+    multiple_of: Optional[int] = key(ge=1)
+    max_seq_len: Optional[int] = key(ge=1)
+    norm_eps: Optional[float] = key(gt=0)
+    rope_theta: Optional[float] = key(gt=0)
+    rope_scaling: Optional[Dict[str, float]] = key()
+    tie_embeddings: Optional[bool] = key()
+    attention: Optional[str] = key(choices=ATTENTIONS)
+    init_from_hf: Optional[str] = key()
+    # issue 27 (megascale branch), learned ahead of the merge from its conf/model/*.yaml:
+    parallel_block: Optional[bool] = key()
+    sliding_window: Optional[int] = key(ge=1)
+    window_pattern: Optional[int] = key(ge=1)
+
+
+@dataclass
+class TokenizerSchema:  # data.tokenizer
+    kind: str = key(choices=TOKENIZER_KINDS)
+    path: Optional[str] = key()
+    vocab_size: Optional[int] = key(ge=1)
+
+
+@dataclass
+class SourceSchema:  # one entry of data.sources (data=mixture)
+    path: str = key(check=_non_empty_str)
+    weight: float = key(gt=0)
+
+
+@dataclass
+class DataSchema:  # conf/data/*.yaml
+    _target_: str = key(check=_non_empty_str)
+    corpus: str = key(choices=CORPORA)
+    path: Optional[str] = key()
+    max_bytes: Optional[int] = key(ge=1)
+    seq_len: int = key(ge=1)
+    global_batch_size: int = key(ge=1)
+    micro_batch_size: Optional[int] = key(ge=1)
+    seed: int = key(ge=0)
+    num_workers: int = key(ge=0)
+    pin_memory: Optional[bool] = key()
+    shuffle: bool = key()
+    shuffle_window: int = key(ge=1)
+    chunk_tokens: int = key(ge=1)
+    document_positions: bool = key()
+    document_masking: bool = key()
+    storage_options: Optional[Dict[str, Any]] = key()
+    val_fraction: float = key(ge=0, lt=1)
+    data_dir: str = key(check=_non_empty_str)
+    tokenizer: TokenizerSchema = field(default_factory=TokenizerSchema)
+    sources: List[SourceSchema] = key()
+
+
+@dataclass
+class OptimSchema:  # conf/optim/*.yaml
+    name: str = key(choices=OPTIMIZERS)  # issue 27: adamw | lamb
+    lr: float = key(gt=0)
+    min_lr_ratio: float = key(ge=0, le=1)
+    betas: List[float] = key(check=lambda v: None if len(v) == 2 and all(0 <= b < 1 for b in v)
+                             else "not two numbers in [0, 1); use e.g. [0.9, 0.95]")
+    eps: float = key(gt=0)
+    weight_decay: float = key(ge=0)
+    warmup_steps: int = key(ge=0)
+    schedule: str = key(choices=LR_SCHEDULES)
+    decay_ratio: float = key(ge=0, le=1)
+    total_steps: int = key(ge=1)
+    fused: Optional[bool] = key()
+    foreach: Optional[bool] = key()
+
+
+@dataclass
+class ClusterSchema:  # conf/cluster/*.yaml
+    accelerator: str = key(choices=ACCELERATORS)
+    devices: int = key(ge=1)
+    num_nodes: int = key(ge=1)
+    launcher: str = key(choices=LAUNCHERS)
+    precision: str = key(choices=PRECISIONS)
+    gpus_per_node: Optional[int] = key(ge=1)
+    hbm_gib: Optional[float] = key(gt=0)
+    hbm_gbps: Optional[float] = key(gt=0)
+    peak_bf16_tflops: Optional[float] = key(gt=0)
+    peak_fp32_tflops: Optional[float] = key(gt=0)
+    fp8: Optional[bool] = key()
+    intra_node_gbps: Optional[float] = key(gt=0)
+    inter_node_gbps: Optional[float] = key(gt=0)
+    cores_per_node: Optional[int] = key(ge=1)
+    timeout_s: int = key(ge=1)
+    log_every_n_steps: int = key(ge=1)
+    data_workers: int = key(ge=0)
+    flight_recorder_entries: int = key(ge=0)
+    # optional profile keys (no yaml of ours sets them): launches (lit-titan launch, hydra/launcher=submitit_*)
+    max_restarts: Optional[int] = key(ge=0)
+    partition: Optional[str] = key(check=_non_empty_str)
+    account: Optional[str] = key(check=_non_empty_str)
+    qos: Optional[str] = key(check=_non_empty_str)
+    constraint: Optional[str] = key(check=_non_empty_str)
+    time_min: Optional[int] = key(ge=1)
+    cpus_per_task: Optional[int] = key(ge=1)
+    mem_gb: Optional[float] = key(gt=0)
+    sbatch: Optional[Dict[str, Any]] = key()
+    setup: Optional[List[str]] = key()
+
+
+@dataclass
+class ParallelSchema:  # conf/parallel/*.yaml
+    pp: int = key(ge=1)
+    dp_replicate: int = key(ge=1)
+    dp_shard: int = key(ge=1, allow=(-1,))
+    cp: int = key(ge=1)
+    tp: int = key(ge=1)
+    pp_schedule: str = key(choices=PP_SCHEDULES)
+    pp_microbatches: Optional[int] = key(ge=1)
+    reshard_after_forward: bool = key()
+    cpu_offload: bool = key()
+    grad_reduce_scatter: str = key(choices=GRAD_REDUCE_SCATTER)
+    loss_parallel: bool = key()
+    pp_stages_per_rank: Optional[int] = key(ge=1)
+    pp_stages: Optional[List[List[str]]] = key()
+
+
+@dataclass
+class LossSchema:
+    chunk_tokens: Any = key(check=_chunk_tokens)
+
+
+@dataclass
+class TrainerSchema:
+    max_steps: int = key(ge=1)
+    gradient_clip_val: Optional[float] = key(ge=0)
+    log_every_n_steps: int = key(ge=1)
+    limit_val_batches: Any = key(check=_number_or_fraction)
+    val_check_interval: Any = key(check=_positive_number_or_fraction)
+    enable_progress_bar: bool = key()
+    deterministic: bool = key()
+
+
+@dataclass
+class CheckpointSchema:
+    enabled: bool = key()
+    every_n_steps: int = key(ge=0)
+    keep_last: int = key(ge=0)
+    async_save: bool = key()
+
+
+@dataclass
+class FaultSchema:
+    kill_rank: Optional[int] = key(ge=0)
+    at_step: Optional[int] = key(ge=1)
+    during_save: bool = key()
+    save_error: Optional[str] = key(check=_errno_name)
+    slow_rank: Optional[int] = key(ge=0)  # issue 27's pre-flight drill
+    slow_factor: float = key(gt=0)
+
+
+@dataclass
+class PreflightSchema:  # issue 27: pre-flight diagnostics (lit_titan/preflight.py on the megascale branch)
+    enabled: bool = key()
+    action: str = key(choices=("warn", "stop"))
+    threshold: float = key(gt=0, le=1)
+    only: bool = key()
+
+
+@dataclass
+class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydra's, checked by Hydra)
+    seed: int = key(ge=0)
+    run_dir: Optional[str] = key()
+    precision: str = key(choices=PRECISIONS)
+    tf32: bool = key()
+    resume: Optional[str] = key(check=_non_empty_str)
+    model: ModelSchema = field(default_factory=ModelSchema)
+    data: DataSchema = field(default_factory=DataSchema)
+    optim: OptimSchema = field(default_factory=OptimSchema)
+    cluster: ClusterSchema = field(default_factory=ClusterSchema)
+    parallel: ParallelSchema = field(default_factory=ParallelSchema)
+    loss: LossSchema = field(default_factory=LossSchema)
+    trainer: TrainerSchema = field(default_factory=TrainerSchema)
+    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+    fault: FaultSchema = field(default_factory=FaultSchema)
+    preflight: PreflightSchema = field(default_factory=PreflightSchema)
+    # _target_ nodes: each checked against TARGET_SCHEMAS[its _target_] (lit_titan.schema_check)
+    logger: Optional[Dict[str, Any]] = key()
+    callbacks: Optional[Dict[str, Any]] = key()
+    profiler: Optional[Dict[str, Any]] = key()
+
+
+# ---- _target_ nodes (conf/callbacks/, conf/logger/, conf/profiler/) --------------------------------------
+@dataclass
+class ActivationCheckpointingSchema:
+    _target_: str = key()
+    mode: str = key(choices=AC_MODES)
+    every_n_layers: int = key(ge=1)
+
+
+@dataclass
+class CompileSchema:
+    _target_: str = key()
+    fullgraph: bool = key()
+    backend: str = key(check=_non_empty_str)
+    mode: Optional[str] = key(check=_non_empty_str)
+    compile_loss: bool = key()
+
+
+@dataclass
+class Float8Schema:
+    _target_: str = key()
+    recipe: str = key(choices=FLOAT8_RECIPES)
+    enable_fsdp_float8_all_gather: bool = key()
+    precompute_scales: bool = key()
+    emulate: bool = key()
+    filter_fqns: List[str] = key()
+    min_dim: int = key(ge=1)
+    auto_filter_small_kn: bool = key()
+    float8_tp: bool = key()
+
+
+@dataclass
+class NonFiniteSchema:
+    _target_: str = key()
+    action: str = key(choices=NONFINITE_ACTIONS)
+    max_consecutive_skips: int = key(ge=1)
+    check_loss: bool = key()
+    check_grads: bool = key()
+
+
+@dataclass
+class ProfilerCallbackSchema:
+    _target_: str = key()
+    steps: Optional[List[int]] = key(check=lambda v: None if all(s >= 1 for s in v) else "steps count from 1; use e.g. [3, 4]")
+    every_n_steps: Optional[int] = key(ge=1)
+    active: int = key(ge=1)
+    warmup: int = key(ge=0)
+    record_shapes: bool = key()
+    with_stack: bool = key()
+    profile_memory: bool = key()
+    memory_snapshot: bool = key()
+    oom_snapshot: bool = key()
+    run_dir: Optional[str] = key(check=_path_like)
+
+
+@dataclass
+class StragglerSchema:
+    _target_: str = key()
+    every_n_steps: int = key(ge=1)
+    warn_ratio: float = key(gt=1)
+
+
+@dataclass
+class ThroughputSchema:
+    _target_: str = key()
+    warmup_steps: int = key(ge=0)
+    log_memory: bool = key()
+    peak_tflops: Optional[float] = key(gt=0)
+
+
+@dataclass
+class TimelineSchema:
+    _target_: str = key()
+    run_dir: Optional[str] = key(check=_path_like)
+
+
+@dataclass
+class WatchdogSchema:
+    _target_: str = key()
+    timeout_s: float = key(gt=0)
+    first_step_timeout_s: float = key(gt=0)
+    run_dir: Optional[str] = key(check=_path_like)
+    exit_code: int = key(ge=1, le=255)
+    exit_delay_s: float = key(ge=0)
+    backstop_s: float = key(ge=0)
+
+
+@dataclass
+class CSVLoggerSchema:
+    _target_: str = key()
+    save_dir: Optional[str] = key(check=_path_like)  # null until run_dir is chosen
+    name: str = key()
+    version: str = key()
+
+
+@dataclass
+class TensorBoardLoggerSchema(CSVLoggerSchema):
+    pass
+
+
+@dataclass
+class WandbLoggerSchema:
+    _target_: str = key()
+    save_dir: Optional[str] = key(check=_path_like)  # null until run_dir is chosen
+    project: str = key(check=_non_empty_str)
+    offline: bool = key()
+
+
+@dataclass
+class LightningProfilerSchema:  # Simple/Advanced/PyTorch profilers: the keys conf/profiler/ sets
+    _target_: str = key()
+    dirpath: Optional[str] = key(check=_path_like)  # null until run_dir is chosen
+    filename: str = key(check=_non_empty_str)
+
+
+TARGET_SCHEMAS: dict[str, type] = {
+    "lit_titan.callbacks.ActivationCheckpointing": ActivationCheckpointingSchema,
+    "lit_titan.callbacks.Compile": CompileSchema,
+    "lit_titan.callbacks.Float8": Float8Schema,
+    "lit_titan.callbacks.NonFiniteGuard": NonFiniteSchema,
+    "lit_titan.callbacks.Profiler": ProfilerCallbackSchema,
+    "lit_titan.callbacks.StragglerReport": StragglerSchema,
+    "lit_titan.callbacks.ThroughputMonitor": ThroughputSchema,
+    "lit_titan.callbacks.Timeline": TimelineSchema,
+    "lit_titan.callbacks.Watchdog": WatchdogSchema,
+    "lightning.pytorch.loggers.CSVLogger": CSVLoggerSchema,
+    "lit_titan.csv_logger.RunDirCSVLogger": CSVLoggerSchema,  # issue 26 (firsthour branch): conf/logger/csv.yaml
+    "lightning.pytorch.loggers.TensorBoardLogger": TensorBoardLoggerSchema,
+    "lightning.pytorch.loggers.WandbLogger": WandbLoggerSchema,
+    "lightning.pytorch.profilers.SimpleProfiler": LightningProfilerSchema,
+    "lightning.pytorch.profilers.AdvancedProfiler": LightningProfilerSchema,
+    "lightning.pytorch.profilers.PyTorchProfiler": LightningProfilerSchema,
+}
+
+__all__ = ["TrainSchema", "TARGET_SCHEMAS", "key"]

@@ -1,0 +1,279 @@
+"""Check a composed job config against ``lit_titan.schema``: types, unknown keys, ranges and choices.
+
+OmegaConf does the type and unknown-key checks (merging the resolved config into the structured
+``TrainSchema``); this module adds what OmegaConf 2.3 lacks (ranges, choices, union-like keys such as
+``loss.chunk_tokens=auto|N``) from each field's ``key(...)`` rule, and turns every failure into one
+``ConfigError`` line ``<key>=<value>: <what is wrong>; <what to do>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException, ValidationError
+
+from lit_titan.errors import ConfigError
+from lit_titan.schema import TARGET_SCHEMAS, TrainSchema
+
+TARGET_GROUPS = ("logger", "callbacks")
+
+
+def check_schema(cfg: DictConfig) -> None:
+    """Refuse the first key of ``cfg`` (a job config, without ``hydra:``) that breaks the schema."""
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    # First as written (interpolations unresolved), so a bad value is named where it was set and not
+    # where it is used (trainer.max_steps=abc, not optim.total_steps); then resolved.
+    written = OmegaConf.to_container(job, resolve=False)
+    _merge(TrainSchema, written, "")
+    check_rules(TrainSchema, written, "")
+    data = resolved(cfg)
+    _merge(TrainSchema, data, "")
+    check_rules(TrainSchema, data, "")
+    for group in TARGET_GROUPS:
+        nodes = data.get(group) or {}
+        for name, node in nodes.items():
+            check_target_node(node, f"{group}.{name}")
+    if data.get("profiler") is not None:
+        check_target_node(data["profiler"], "profiler")
+
+
+def resolved(cfg: DictConfig) -> dict[str, Any]:
+    """The job config as plain Python values, every interpolation resolved (a failing one named)."""
+    try:
+        return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+    except InterpolationResolutionError as err:
+        raise ConfigError(f"{err.full_key}: {_one_line(err.msg)}; fix the ${{...}} reference or set "
+                          f"{err.full_key} to a value") from None
+
+
+def check_target_node(node: Any, where: str) -> None:
+    """A logger/callback/profiler node: a ``_target_`` whose keys its schema (or its class) accepts."""
+    if not isinstance(node, dict) or "_target_" not in node:
+        group = where.split(".")[0]
+        raise ConfigError(f"{where}={_show(node)}: has no _target_; a {group} entry is a node like "
+                          f"{{_target_: package.Class, ...}} (see conf/{group}/)")
+    target = str(node["_target_"])
+    schema = TARGET_SCHEMAS.get(target)
+    if schema is not None:
+        _merge(schema, node, where + ".")
+        check_rules(schema, node, where + ".")
+        return
+    accepted = _signature_keys(target, where)  # a user's own class: its constructor says what it takes
+    unknown = [k for k in node if k != "_target_" and accepted is not None and k not in accepted]
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}={_show(node[unknown[0]])}: {target} takes no argument "
+                          f"{unknown[0]!r}; use one of {', '.join(sorted(accepted)) or '(none)'}")
+
+
+def check_rules(schema: type, data: dict[str, Any], prefix: str) -> None:
+    """Each present field's ``key(...)`` rule (schema.py), recursing into nested dataclasses and lists of them."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if f.name not in data:
+            continue
+        value, path, kind = data[f.name], prefix + f.name, hints[f.name]
+        if dataclasses.is_dataclass(kind) and isinstance(value, dict):
+            check_rules(kind, value, path + ".")
+            continue
+        inner = _list_item_type(kind)
+        if inner is not None and dataclasses.is_dataclass(inner) and isinstance(value, list):
+            for i, item in enumerate(value):
+                check_rules(inner, item, f"{path}[{i}].")
+            continue
+        problem = rule_problem(f.metadata.get("rule", {}), value)
+        if problem:
+            raise ConfigError(f"{path}={_show(value)}: {problem}")
+
+
+def rule_problem(rule: dict[str, Any], value: Any) -> str | None:
+    """What is wrong with ``value`` under ``rule`` and what to set instead, or None."""
+    if value is None or value in rule.get("allow", ()) or _is_interpolation(value):
+        return None
+    if "check" in rule:
+        problem = rule["check"](value)
+        if problem:
+            return problem
+    if "choices" in rule and value not in rule["choices"]:
+        return f"not an option; choose one of {', '.join(map(str, rule['choices']))}"
+    bounds = [("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
+              ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b)]
+    broken = [(sign, rule[name]) for name, sign, ok in bounds
+              if name in rule and isinstance(value, (int, float)) and not ok(value, rule[name])]
+    if broken:
+        valid = " and ".join(f"{sign} {_num(b)}" for name, sign, _ in bounds if name in rule
+                             for b in [rule[name]])
+        extra = f" (or {', '.join(map(str, rule['allow']))})" if rule.get("allow") else ""
+        return f"out of range; use a value {valid}{extra}"
+    return None
+
+
+def field_types(schema: type = TrainSchema, prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of ``schema`` with its type (nested dataclasses flattened): what the tests fuzz."""
+    out: dict[str, Any] = {}
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            out.update(field_types(kind, prefix + f.name + "."))
+        else:
+            out[prefix + f.name] = kind
+    return out
+
+
+def field_rule(schema: type, dotted: str) -> dict[str, Any]:
+    """The ``key(...)`` rule of one dotted key of ``schema``."""
+    head, _, rest = dotted.partition(".")
+    f = {f.name: f for f in dataclasses.fields(schema)}[head]
+    kind = typing.get_type_hints(schema)[head]
+    return field_rule(kind, rest) if rest else f.metadata.get("rule", {})
+
+
+def compose_error_line(text: str, overrides: list[str], options: Callable[[str], list[str]]) -> str | None:
+    """Hydra's composition errors as ``<override>: <what is wrong>; <what to do>`` (None: not one of these).
+
+    ``options(group)``: the group's options (its yaml files, including a ``--config-dir``'s).
+    """
+    import re
+
+    missing = re.search(r"Could not override '([^']+)'", text)
+    if missing:
+        key = missing.group(1)
+        given = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), key)
+        return (f"{given}: {key} is not a config key; check its spelling (python -m lit_titan.train --cfg job lists "
+                f"every key); a new key needs a yaml line and one line in lit_titan/schema.py (docs/configuration.md)")
+    group = re.search(r"Could not (?:find|load) '([^']+)'", text)
+    if group:
+        name = group.group(1)
+        parent, _, choice = name.rpartition("/")
+        try:
+            valid = options(parent)
+        except Exception:  # noqa: BLE001 - the line is still useful without the list
+            valid = []
+        return (f"{parent}={choice}: no such option" + (f"; choose one of {', '.join(valid)}" if valid else "") +
+                f" (your own files: --config-dir DIR with DIR/{parent}/NAME.yaml)")
+    parse = re.search(r"Error parsing override '([^']+)'", text)
+    if parse:
+        return f"{parse.group(1)}: cannot parse this override; write KEY=VALUE (or group=option, +KEY=VALUE)"
+    return None
+
+
+# ---- helpers --------------------------------------------------------------------------------------------
+def _merge(schema: type, data: dict[str, Any], prefix: str) -> None:
+    """OmegaConf's own type and unknown-key checks, as one line naming the key."""
+    try:
+        OmegaConf.merge(OmegaConf.structured(schema), data)
+    except ConfigKeyError as err:
+        full = prefix + str(err.full_key)
+        node, name = _parent(schema, str(err.full_key))
+        valid = ", ".join(f.name for f in dataclasses.fields(node)) if node else ""
+        raise ConfigError(f"{full}={_show(_lookup(data, str(err.full_key)))}: not a config key; check its spelling"
+                          + (f" (keys here: {valid})" if valid else "") +
+                          "; a new key needs one line in lit_titan/schema.py (docs/configuration.md)") from None
+    except (ValidationError, OmegaConfBaseException) as err:
+        key = str(getattr(err, "full_key", "") or "")
+        full = prefix + key
+        kind = _type_of(schema, key)
+        raise ConfigError(f"{full}={_show(_lookup(data, key))}: wrong type; {full} takes {_type_name(kind)}") \
+            from None
+
+
+def _signature_keys(target: str, where: str) -> set[str] | None:
+    """Parameter names of ``target``'s constructor; None when it takes **kwargs."""
+    module, _, name = target.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"{where}._target_={target}: cannot be imported ({_one_line(str(err))}); "
+                          f"give a full dotted path package.module.Class") from None
+    params = inspect.signature(obj).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.name != "self"}
+
+
+def _parent(schema: type, dotted: str) -> tuple[type | None, str]:
+    parts = dotted.split(".")
+    node: Any = schema
+    for part in parts[:-1]:
+        hints = typing.get_type_hints(node)
+        node = hints.get(part)
+        inner = _list_item_type(node)
+        node = inner if inner is not None else node
+        if not dataclasses.is_dataclass(node):
+            return None, parts[-1]
+    return node, parts[-1]
+
+
+def _type_of(schema: type, dotted: str) -> Any:
+    node, name = _parent(schema, dotted.split("[")[0])
+    return typing.get_type_hints(node).get(name) if node else None
+
+
+def _list_item_type(kind: Any) -> Any:
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (list, typing.List):
+        return args[0] if args else None
+    if typing.get_origin(kind) is typing.Union and len(args) == 1:
+        return _list_item_type(args[0])
+    return None
+
+
+def _type_name(kind: Any) -> str:
+    if kind is None:
+        return "another type"
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) is typing.Union and len(args) == 1:
+        return f"{_type_name(args[0])} or null"
+    origin = typing.get_origin(kind)
+    if origin in (list, typing.List):
+        return "a list" + (f" of {_type_name(args[0])}" if args and args[0] is not Any else "")
+    if origin in (dict, typing.Dict):
+        return "a mapping {key: value}"
+    if dataclasses.is_dataclass(kind):
+        return "a mapping {" + ", ".join(f.name for f in dataclasses.fields(kind)) + "}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, str(kind))
+
+
+def _lookup(data: Any, dotted: str) -> Any:
+    for part in [p for p in dotted.replace("]", "").replace("[", ".").split(".") if p]:
+        if isinstance(data, dict):
+            data = data.get(part)
+        elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
+            data = data[int(part)]
+        else:
+            return None
+    return data
+
+
+def _is_interpolation(value: Any) -> bool:
+    return isinstance(value, str) and "${" in value
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, default=str).replace('"', "")
+    return str(value)
+
+
+def _num(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+__all__ = ["check_schema", "check_rules", "check_target_node", "field_types", "field_rule", "rule_problem"]
