@@ -90,7 +90,7 @@ def test_hsdp_accumulation_defers_only_the_all_reduce(tmp_path, worlds):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["parallel.grad_reduce_scatter=sometimes"], "parallel.grad_reduce_scatter='sometimes'"),
+    (["parallel.grad_reduce_scatter=sometimes"], "parallel.grad_reduce_scatter=sometimes: not an option"),
     (["cluster.devices=2", "parallel.pp=2", "parallel.grad_reduce_scatter=last_microbatch"],
      "parallel.grad_reduce_scatter=every_microbatch"),
 ])

@@ -28,9 +28,9 @@ def test_judge_names_the_slow_rank_and_the_slow_group():
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["preflight.enabled=true", "preflight.action=abort"], "preflight.action=abort is not an option"),
+    (["preflight.enabled=true", "preflight.action=abort"], "preflight.action=abort: not an option; choose one of warn, stop"),
     (["fault.slow_rank=1"], "fault.slow_rank slows a rank's pre-flight burn-in; set preflight.enabled=true"),
-    (["preflight.enabled=true", "fault.slow_rank=7", "cluster.devices=2"], "fault.slow_rank=7 is not a rank"),
+    (["preflight.enabled=true", "fault.slow_rank=7", "cluster.devices=2"], "fault.slow_rank=7: is not a rank"),
 ])
 def test_bad_settings_one_line(extra, needle):
     with pytest.raises(ConfigError) as info:
