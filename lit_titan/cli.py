@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,9 @@ from typing import Any
 COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": "lit_titan.plan",
             "launch": "lit_titan.launch", "export": "lit_titan.export", "report": "lit_titan.report",
             "preflight": "lit_titan.preflight"}
+
+
+QUIET_RANK_EXIT_DELAY_S = 5.0  # see report_user_error
 
 
 def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseException], ...],
@@ -107,6 +111,10 @@ def report_user_error(err: BaseException) -> None:
     launcher's rank 0, not once per rank.
     """
     if getattr(err, "raised_on_every_rank", False) and not is_launcher_rank_zero():
+        # Stay up a moment: a launcher (torchrun) ends every rank as soon as one exits, and a quiet
+        # rank that exits first can take rank 0 down before its line is printed (seen in CI).
+        # The error came before any expensive work, so the wait costs nothing else.
+        time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return
     print(f"lit-titan: error: {one_line(err)}", file=sys.stderr, flush=True)
 

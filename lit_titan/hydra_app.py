@@ -21,6 +21,8 @@ import csv
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,12 @@ _CFG_TYPES = ("job", "hydra", "all")
 # Hydra's deprecation note on conf/hydra/launcher/submitit_*.yaml: silenced in lit_titan/known_warnings.py.
 
 
-def run_app(argv: list[str]) -> dict[str, Any]:
-    """Parse ``argv`` like ``@hydra.main`` and run it; the run summary for one run, else ``{}``."""
+def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> dict[str, Any]:
+    """Parse ``argv`` like ``@hydra.main`` and run ``train`` under it; the run summary for one run, else ``{}``.
+
+    ``train`` (``lit_titan.train.train``) is handed in, not imported: the app sits below the
+    training entry point that calls it.
+    """
     from hydra._internal.utils import get_args_parser
     from hydra.types import RunMode
 
@@ -68,13 +74,14 @@ def run_app(argv: list[str]) -> dict[str, Any]:
     mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     check(hydra, config_name, overrides, mode)
     if multirun:
-        hydra.multirun(config_name=config_name, task_function=task, overrides=[*overrides, "hydra.mode=MULTIRUN"])
+        hydra.multirun(config_name=config_name, task_function=partial(task, train=train),
+                       overrides=[*overrides, "hydra.mode=MULTIRUN"])
         return {}
     from lit_titan.cli import is_launcher_rank_zero
 
     extra = ["hydra.mode=RUN"] + ([] if is_launcher_rank_zero() else ["hydra.output_subdir=null"])  # rank 0 records
     _outcome.clear()
-    hydra.run(config_name=config_name, task_function=task, overrides=[*overrides, *extra])
+    hydra.run(config_name=config_name, task_function=partial(task, train=train), overrides=[*overrides, *extra])
     if "error" in _outcome:  # re-raised here, not by Hydra, which would print a second line first
         raise _outcome.pop("error")
     return _outcome.pop("summary", {})
@@ -83,12 +90,10 @@ def run_app(argv: list[str]) -> dict[str, Any]:
 _outcome: dict[str, Any] = {}
 
 
-def task(cfg: DictConfig) -> dict[str, Any]:
+def task(cfg: DictConfig, train: Callable[[DictConfig], dict[str, Any]]) -> dict[str, Any]:
     """Hydra's task function: one job (a run, a sweep point, or one rank of a submitit job)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-
-    from lit_titan.train import train
 
     hc = HydraConfig.get()
     with open_dict(cfg):

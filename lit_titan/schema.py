@@ -249,7 +249,7 @@ class FaultSchema:
 
 
 @dataclass
-class PreflightSchema:  # issue 27: pre-flight diagnostics (lit_titan/preflight.py on the megascale branch)
+class PreflightSchema:  # issue 27: pre-flight diagnostics (lit_titan/callbacks/preflight.py)
     enabled: bool = key()
     action: str = key(choices=("warn", "stop"))
     threshold: float = key(gt=0, le=1)

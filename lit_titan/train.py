@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from lit_titan.checkpoint import CheckpointError
 from lit_titan.cli import is_launcher_rank_zero
 from lit_titan.config import RUN_DIR_ENV, ConfigError, default_run_dir, model_overrides, to_yaml, validate
-from lit_titan.preflight import PreflightError
+from lit_titan.callbacks.preflight import PreflightError
 from lit_titan.strategies.parallel_dims import LayoutError
 
 # Errors that mean "fix your input" (or, PreflightError, "fix your fleet"): one line, no traceback, exit code 2.
@@ -207,8 +207,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     configured = [_instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     all_callbacks = [summary, DataProgress(), *configured, *(callbacks or [])]
     if (cfg.get("preflight") or {}).get("enabled"):  # first: it may end the job before the others act
-        from lit_titan.planner.estimate import peak_flops
-        from lit_titan.preflight import Preflight
+        from lit_titan.callbacks.throughput import peak_flops
+        from lit_titan.callbacks.preflight import Preflight
 
         peak = peak_flops(OmegaConf.to_container(cfg.cluster, resolve=True), str(cfg.precision)) / 1e12
         all_callbacks.insert(0, Preflight(str(run_dir), action=str(cfg.preflight.action),
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lit_titan.hydra_app import run_app
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_app(argv)
+    return run_app(argv, train)
 
 
 if __name__ == "__main__":

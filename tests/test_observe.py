@@ -70,7 +70,7 @@ def test_a_profile_window_outside_the_run_is_one_line_before_anything_starts(tmp
                    timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        "lit-titan: error: callbacks.profiler.steps=[4, 9] ends after the run's last step (trainer.max_steps=5); "
+        "lit-titan: error: callbacks.profiler.steps=[4, 9]: ends after the run's last step (trainer.max_steps=5); "
         "choose steps within 1..5")
     assert not (tmp_path / "r").exists()
 

@@ -8,7 +8,7 @@ import pytest
 from helpers import TINY, read_metrics, run_job
 from lit_titan.config import compose, validate
 from lit_titan.errors import ConfigError
-from lit_titan.preflight import judge
+from lit_titan.callbacks.preflight import judge
 
 
 def _record(rank, tflops, gbps=1.0, ranks=(0, 1)):
@@ -58,12 +58,14 @@ def test_warn_names_the_slow_rank_and_trains(tmp_path, worlds):
 
 
 @pytest.mark.slow
-def test_stop_exits_2_before_checkpoints_or_metrics(tmp_path):
-    proc = run_job([sys.executable, "-m", "lit_titan.train", *RUN, "preflight.action=stop", f"run_dir={tmp_path}"],
-                   timeout=300)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("lit-titan: error: preflight:")]
-    assert len(lines) == 1 and "rank 2 (" in lines[0] and "preflight.action=stop" in lines[0], proc.stderr[-3000:]
+def test_stop_ends_the_job_before_checkpoints_or_metrics(tmp_path, worlds):
+    """action=stop: every rank raises the one-line verdict (the command turns it into exit code 2:
+    test_lit_titan_preflight_command) before a metrics file or a checkpoint exists."""
+    got = worlds.run(4, "scripts.preflight_stop:main", [*RUN, "preflight.action=stop", f"run_dir={tmp_path}"],
+                     timeout=300).value
+    line = got["stopped"]
+    assert line is not None and "\n" not in line, got
+    assert line.startswith("preflight:") and "rank 2 (" in line and "preflight.action=stop" in line, line
     assert (tmp_path / "preflight.json").is_file()
     assert not (tmp_path / "metrics.csv").exists() and not (tmp_path / "checkpoints").exists()
 

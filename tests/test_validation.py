@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import TINY, read_metrics, run_cli
+from helpers import TINY, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -15,9 +15,9 @@ def _val_losses(run_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, worlds):
     run_dir = tmp_path_factory.mktemp("single")
-    run_cli([*COMMON, "cluster.devices=1"], run_dir)
+    worlds.train([*COMMON, "cluster.devices=1"], run_dir)
     return _val_losses(run_dir)
 
 
@@ -26,9 +26,9 @@ def reference(tmp_path_factory):
     ["cluster.devices=2", "parallel.cp=2"],
     ["cluster.devices=4", "parallel.pp=2", "parallel.tp=2"],
 ], ids=["pp2", "cp2", "pp2xtp2"])
-def test_validation_loss_matches_single_process(layout, reference, tmp_path):
+def test_validation_loss_matches_single_process(layout, reference, tmp_path, worlds):
     assert len(reference) == 1 and reference[0] > 0
-    run_cli([*COMMON, *layout], tmp_path)
+    worlds.train([*COMMON, *layout], tmp_path)  # reused gloo worlds (tests/world.py), not fresh interpreters
     got = _val_losses(tmp_path)
     assert len(got) == 1
     assert abs(got[0] - reference[0]) / reference[0] < 1e-5, (got, reference)

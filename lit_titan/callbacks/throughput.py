@@ -68,6 +68,14 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 _GIB = 1024**3
 
 
+def peak_flops(cluster: dict[str, Any], precision: str) -> float:
+    """Peak FLOP/s per device of a cluster profile (``conf/cluster``) for the run's matmul dtype: ``peak_fp32_tflops`` under 32-true when the
+    profile has it (CPU profiles measure it), else ``peak_bf16_tflops``."""
+    if precision == "32-true" and cluster.get("peak_fp32_tflops"):
+        return float(cluster["peak_fp32_tflops"]) * 1e12
+    return float(cluster.get("peak_bf16_tflops") or 0) * 1e12
+
+
 def peak_bf16_tflops(device_name: str | None) -> float | None:
     """Peak dense BF16 TFLOP/s of a GPU from its ``torch.cuda.get_device_name()``; None if unknown."""
     if not device_name:

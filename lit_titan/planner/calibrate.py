@@ -109,7 +109,11 @@ def _setup(cfg) -> dict[str, Any]:
 
 def predict(cfg, eff: Efficiencies) -> dict[str, Any]:
     """Predicted step of the layout a run's config describes."""
-    s = _setup(cfg)
+    return _predict(_setup(cfg), eff)
+
+
+def _predict(s: dict[str, Any], eff: Efficiencies) -> dict[str, Any]:
+    """``predict`` on a layout already worked out (the fit's grid reuses it for every point)."""
     cluster = s["cluster"]
     return estimate.step_time(
         s["args"], s["dims"], cluster, s["layout"], flops_per_token=s["fpt"], seq_len=s["seq_len"],
@@ -141,10 +145,11 @@ def fit(runs: list[dict[str, Any]], base: Efficiencies = estimate.DEFAULT_EFFICI
     overhead = statistics.median(r["overhead_s"] for r in runs)
     grid = [10 ** (-4 + 4 * k / 160) for k in range(161)]  # 1e-4 .. 1, log-spaced
     comms = grid if len(runs) > 1 else [base.comm]
+    setups = [_setup(r["cfg"]) for r in runs]  # once per run, not once per grid point
 
     def loss(c: float, m: float) -> float:
         eff = base.with_(compute=c, comm=m, overhead_s=overhead)
-        return sum(math.log(predict(r["cfg"], eff)["step_s"] / r["step_s"]) ** 2 for r in runs)
+        return sum(math.log(_predict(setup, eff)["step_s"] / r["step_s"]) ** 2 for setup, r in zip(setups, runs))
 
     best = min(((c, m) for c in grid for m in comms), key=lambda cm: loss(*cm))
     names = ", ".join(Path(r["run_dir"]).name for r in runs)

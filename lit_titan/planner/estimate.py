@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from lit_titan.callbacks.throughput import peak_flops  # noqa: F401 - also this module's API
+
 GIB = 1024**3
 
 # Assumptions of the step-time model (stated in plan.json under "assumptions").
@@ -58,14 +60,6 @@ class Efficiencies:
 
 
 DEFAULT_EFFICIENCIES = Efficiencies()
-
-
-def peak_flops(cluster: dict[str, Any], precision: str) -> float:
-    """Peak FLOP/s per device for the run's matmul dtype: ``peak_fp32_tflops`` under 32-true when the
-    profile has it (CPU profiles measure it), else ``peak_bf16_tflops``."""
-    if precision == "32-true" and cluster.get("peak_fp32_tflops"):
-        return float(cluster["peak_fp32_tflops"]) * 1e12
-    return float(cluster.get("peak_bf16_tflops") or 0) * 1e12
 
 
 def float8_flops_per_token(args) -> float:

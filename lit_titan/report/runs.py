@@ -29,7 +29,7 @@ class Run:
     memory_snapshots: list[Path] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     hang_files: list[Path] = field(default_factory=list)
-    preflight: dict | None = None  # preflight.json (lit_titan/preflight.py), when the run had one
+    preflight: dict | None = None  # preflight.json (lit_titan/callbacks/preflight.py), when the run had one
 
     @property
     def name(self) -> str:

@@ -1,0 +1,181 @@
+"""Pre-flight diagnostics: find the slow rank or link before a job trains (MegaScale's diagnostic tests).
+
+Every rank runs a short matmul burn-in (TFLOP/s, best of a few repeats, against the cluster
+profile's peak where known) and times all-reduce and all-gather over each mesh group it belongs to
+(one per mesh dim of size > 1: pp, dp_replicate, dp_shard, cp, tp; the launchers number ranks
+node-major, so dp_replicate spans nodes and the others stay inside one, docs/launching.md). The
+results are gathered on every rank, rank 0 writes ``run_dir/preflight.json``, and a rank whose
+burn-in, or a group whose bandwidth, is below ``threshold`` x the median of its peers is named in
+one line. ``action=stop`` then ends the job on every rank (exit code 2) before the model, a
+checkpoint or a metrics file exists.
+
+Runs as a Lightning callback's ``setup`` hook: the process group and the mesh exist
+(``TitanStrategy.setup_environment``), the model is not built yet. ``fault.slow_rank`` is the
+drill: that rank's burn-in is made ``fault.slow_factor`` times slower (by sleeping), as a GPU with
+a thermal or clock problem would be.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from lit_titan.errors import ConfigError
+
+ACTIONS = ("warn", "stop")
+
+
+class PreflightFinished(Exception):
+    """``preflight.only=true`` (``lit-titan preflight``): the diagnostics ran and found nothing to stop for."""
+
+
+class PreflightError(RuntimeError):
+    """``preflight.action=stop`` found a slow rank or link; raised on every rank together."""
+
+    raised_on_every_rank = True  # the command line prints it once (rank 0)
+
+
+def check_config(preflight: Any, fault: Any, world: int) -> None:
+    """ConfigError naming the key when the ``preflight`` node or the slow-rank drill cannot run."""
+    if not preflight:
+        return
+    action = str(preflight.get("action", "warn"))
+    if action not in ACTIONS:
+        raise ConfigError(f"preflight.action={action} is not an option; use preflight.action=warn or stop")
+    threshold = float(preflight.get("threshold", 0.5))
+    if not 0 < threshold <= 1:
+        raise ConfigError(f"preflight.threshold={threshold} must be in (0, 1]: a fraction of the median")
+    slow = fault.get("slow_rank") if fault else None
+    if slow is not None:
+        if not preflight.get("enabled"):
+            raise ConfigError("fault.slow_rank slows a rank's pre-flight burn-in; set preflight.enabled=true")
+        if not 0 <= int(slow) < world:
+            raise ConfigError(f"fault.slow_rank={slow} is not a rank of this {world}-process job")
+        if float(fault.get("slow_factor", 4.0)) < 1:
+            raise ConfigError(f"fault.slow_factor={fault.get('slow_factor')} must be >= 1")
+
+
+def burn_in(device: torch.device, *, n: int = 256, iters: int = 8, repeats: int = 3, slow_factor: float = 1.0,
+            dtype: torch.dtype = torch.float32) -> float:
+    """Best matmul rate of ``repeats`` runs of ``iters`` [n, n] x [n, n] products, in TFLOP/s."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            a = torch.mm(a, b).div_(n ** 0.5)
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        if slow_factor > 1:  # the fault drill: this rank computes slow_factor times slower
+            time.sleep(elapsed * (slow_factor - 1))
+            elapsed *= slow_factor
+        best = min(best, elapsed)
+    return 2 * n ** 3 * iters / best / 1e12
+
+
+def bandwidth(group: dist.ProcessGroup, device: torch.device, *, numel: int = 1 << 18, repeats: int = 5
+              ) -> dict[str, float]:
+    """Bus bandwidth (GB/s, NCCL's convention) of all-reduce and all-gather of ``numel`` fp32 over ``group``."""
+    n = dist.get_world_size(group)
+    x = torch.ones(numel, device=device)
+    parts = [torch.empty(numel, device=device) for _ in range(n)]
+    out = {}
+    for name, op, factor in (("all_reduce_gbps", lambda: dist.all_reduce(x, group=group), 2 * (n - 1) / n),
+                             ("all_gather_gbps", lambda: dist.all_gather(parts, x, group=group), (n - 1))):
+        best = float("inf")
+        for _ in range(repeats + 1):
+            dist.barrier(group=group)
+            _sync(device)
+            t0 = time.perf_counter()
+            op()
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+        out[name] = factor * numel * 4 / best / 1e9
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(mesh: Any, device: torch.device, *, slow_factor: float = 1.0) -> dict[str, Any]:
+    """This rank's burn-in and the bandwidth of each of its mesh groups."""
+    record: dict[str, Any] = {"rank": dist.get_rank(), "host": socket.gethostname(),
+                              "tflops": burn_in(device, slow_factor=slow_factor), "links": {}}
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    for i, name in enumerate(names):
+        if mesh.size(i) > 1:
+            group = mesh.get_group(i)
+            record["links"][name] = {"ranks": dist.get_process_group_ranks(group), **bandwidth(group, device)}
+    return record
+
+
+def judge(records: list[dict[str, Any]], threshold: float) -> tuple[list[str], dict[str, Any]]:
+    """Short phrases naming slow ranks and links, and the medians they were compared with."""
+    found: list[str] = []
+    median_tflops = statistics.median(r["tflops"] for r in records)
+    for r in records:
+        if r["tflops"] < threshold * median_tflops:
+            found.append(f"rank {r['rank']} ({r['host']}) matmul {r['tflops']:.4g} TFLOP/s vs median "
+                         f"{median_tflops:.4g}")
+    medians: dict[str, Any] = {"tflops": median_tflops}
+    for dim in sorted({d for r in records for d in r["links"]}):
+        groups = {tuple(r["links"][dim]["ranks"]): r["links"][dim] for r in records if dim in r["links"]}
+        for key in ("all_reduce_gbps", "all_gather_gbps"):
+            # one figure per group: its slowest member's view (a collective waits for every member)
+            per_group = {g: min(r["links"][dim][key] for r in records if tuple(r["links"].get(dim, {}).get("ranks", ()))
+                                == g) for g in groups}
+            med = statistics.median(per_group.values())
+            medians[f"{dim}.{key}"] = med
+            for g, value in per_group.items():
+                if len(per_group) > 1 and value < threshold * med:
+                    found.append(f"{dim} group {list(g)} {key.removesuffix('_gbps')} {value:.3g} GB/s vs median {med:.3g}")
+    return found, medians
+
+
+class Preflight(L.Callback):
+    """Runs the diagnostics in ``setup`` (process group up, nothing built) and acts on them."""
+
+    def __init__(self, run_dir: str, action: str = "warn", threshold: float = 0.5, expected_tflops: float | None = None,
+                 slow_rank: int | None = None, slow_factor: float = 4.0, only: bool = False) -> None:
+        self.run_dir, self.action, self.threshold, self.only = Path(run_dir), action, threshold, only
+        self.expected_tflops, self.slow_rank, self.slow_factor = expected_tflops, slow_rank, slow_factor
+        self.result: dict[str, Any] | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        mesh = getattr(trainer.strategy, "_device_mesh", None)
+        if mesh is None or not dist.is_initialized():
+            return  # one process without a mesh: nothing to compare
+        t0 = time.perf_counter()
+        slow = self.slow_factor if self.slow_rank == dist.get_rank() else 1.0
+        mine = measure(mesh, trainer.strategy.root_device, slow_factor=slow)
+        records: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(records, mine)
+        found, medians = judge(records, self.threshold)
+        self.result = {"ranks": records, "medians": medians, "threshold": self.threshold, "found": found,
+                       "expected_tflops": self.expected_tflops, "action": self.action,
+                       "seconds": time.perf_counter() - t0}
+        line = (f"preflight: {'; '.join(found)}" if found else
+                f"preflight: {len(records)} ranks ok (matmul median {medians['tflops']:.4g} TFLOP/s"
+                + (f", profile peak {self.expected_tflops:.4g}" if self.expected_tflops else "") + ")")
+        if trainer.global_rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "preflight.json").write_text(json.dumps(self.result, indent=1))
+        if found and self.action == "stop":
+            raise PreflightError(f"{line}; preflight.action=stop: nothing trained (details: "
+                                 f"{self.run_dir / 'preflight.json'})")
+        if trainer.global_rank == 0:
+            print(line, flush=True)
+        if self.only:
+            raise PreflightFinished(line)
