@@ -43,7 +43,7 @@ def test_vs_bare_loop_cpu_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_vs_torchtitan_cpu_smoke(tmp_path):
-    pytest.importorskip("torchtitan", reason="TorchTitan is in the `bench` extra: pip install '.[bench]'")
+    pytest.importorskip("torchtitan", reason="TorchTitan is in the test extra: pip install -e '.[test]'")
     rows = ["bf16_eager", "bf16_compile", "compile_ac_selective_op", "compile_float8_rowwise"]
     table, results = _smoke("vs_torchtitan.py", tmp_path)
     assert [line.split("|")[1].strip() for line in table[2:]] == rows
