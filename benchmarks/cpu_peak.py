@@ -5,7 +5,7 @@
 fp32 matmul GFLOP/s of one thread (each gloo rank of a CPU run is one process) and the bus
 bandwidth of a 2-rank gloo all-reduce over 127.0.0.1 (ring: 2*(n-1)/n x bytes per rank).
 """
-import time, torch, os, sys
+import time, torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 def mm():

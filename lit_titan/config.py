@@ -16,7 +16,6 @@ from lit_titan.loss import resolve_chunk_tokens
 from lit_titan.models.llama3 import ModelArgs, get_flavor
 from lit_titan.optim import check_optim
 from lit_titan.callbacks.preflight import check_config as check_preflight
-from lit_titan.schema import PRECISIONS
 from lit_titan.schema_check import check_schema, compose_error_line
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig

@@ -287,7 +287,6 @@ class _one_line_errors:
         raise ConfigError(self._explain(err)) from None
 
     def _explain(self, err: BaseException) -> str:
-        import re
 
         text = f"{err} {err.__cause__ or ''}"
         launcher = _launcher_choice(self.overrides)

@@ -38,4 +38,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["Preflight", "PreflightError", "PreflightFinished", "main", "burn_in", "bandwidth", "check_config", "judge", "measure"]
+__all__ = ["main"]

@@ -170,3 +170,16 @@ class StepSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.length
+
+
+class FixedSampler(Sampler[int]):
+    """The same indices every pass (validation)."""
+
+    def __init__(self, indices: range) -> None:
+        self.indices = indices
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

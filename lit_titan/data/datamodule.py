@@ -21,7 +21,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lit_titan.data.batches import GlobalBatches, RankMicroBatches, StepSampler
+from lit_titan.data.batches import FixedSampler, GlobalBatches, RankMicroBatches, StepSampler
+from lit_titan.data.checks import SHARD_KINDS, check_batch_sizes, check_settings
 from lit_titan.data.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus, split_corpus
 from lit_titan.data.prepare import prepare_shards
 from lit_titan.data.shards import ShardSplit, is_remote
@@ -32,8 +33,6 @@ from lit_titan.errors import ConfigError
 CACHE_FORMAT_VERSION = 2
 STATE_VERSION = 1
 DEFAULT_TOKENIZER: dict[str, Any] = {"kind": "bpe", "path": None, "vocab_size": 8192}
-DOCUMENT_KINDS = ("stdlib", "text")
-SHARD_KINDS = ("tokens", "mixture")
 
 
 class PretrainDataModule(L.LightningDataModule):
@@ -104,28 +103,8 @@ class PretrainDataModule(L.LightningDataModule):
 
     # ---- validation (cheap; runs before any tokenization or process group) -------------
     def _validate_static(self) -> None:
-        if self.seq_len < 1:
-            raise ConfigError(f"data.seq_len must be >= 1, got {self.seq_len}.")
-        if self.global_batch_size < 1:
-            raise ConfigError(f"data.global_batch_size must be >= 1, got {self.global_batch_size}.")
-        if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) or not (
-            0.0 <= self.val_fraction < 1.0
-        ):
-            raise ConfigError(
-                f"data.val_fraction must be a number in [0, 1) (0 disables validation), got {self.val_fraction!r}."
-            )
-        if self._micro_batch_size is not None and self._micro_batch_size < 1:
-            raise ConfigError(f"data.micro_batch_size must be >= 1 (or null), got {self._micro_batch_size}.")
-        if int(self.shuffle_window) < 1:
-            raise ConfigError(f"data.shuffle_window must be >= 1 sample, got {self.shuffle_window}.")
-        if self.corpus_kind not in DOCUMENT_KINDS + SHARD_KINDS:
-            raise ConfigError(f"data.corpus={self.corpus_kind!r} is not one of {', '.join(DOCUMENT_KINDS + SHARD_KINDS)}")
-        if self.corpus_kind == "text" and self.path is None:
-            raise ConfigError("data.corpus=text needs data.path=DIR (a directory or file of .txt/.jsonl documents).")
-        if self.path is not None and self.corpus_kind == "text" and not Path(self.path).expanduser().exists():
-            raise FileNotFoundError(
-                f"Corpus path not found: {self.path}. Set data.path=DIR to a directory (or file) of .txt/.jsonl files."
-            )
+        check_settings(self.corpus_kind, self.path, self.seq_len, self.global_batch_size, self._micro_batch_size,
+                       self.val_fraction, self.shuffle_window)
         if self._dp_override[1] is not None:
             self._check_batch_sizes(self._dp_override[1])
         if self.corpus_kind in SHARD_KINDS:
@@ -174,14 +153,7 @@ class PretrainDataModule(L.LightningDataModule):
             )
 
     def _check_batch_sizes(self, dp_size: int) -> int:
-        micro = self._micro_batch_size if self._micro_batch_size is not None else self.global_batch_size // dp_size
-        if micro < 1 or self.global_batch_size % (dp_size * micro) != 0:
-            raise ConfigError(
-                f"data.global_batch_size={self.global_batch_size} must be a multiple of dp_size ({dp_size}) x "
-                f"data.micro_batch_size ({self._micro_batch_size if self._micro_batch_size is not None else micro}); "
-                "adjust data.global_batch_size or data.micro_batch_size."
-            )
-        return micro
+        return check_batch_sizes(self.global_batch_size, self._micro_batch_size, dp_size)
 
     # ---- data-parallel coordinates ---------------------------------------------------
     def data_parallel_coords(self) -> tuple[int, int]:
@@ -373,7 +345,7 @@ class PretrainDataModule(L.LightningDataModule):
         steps = batches.orders[0].per_epoch // batch
         dataset = RankMicroBatches(batches, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=self._micro,
                                    positions_eos_id=self._eos_id(), documents_eos_id=self._documents_eos_id())
-        return self._loader(dataset, _Fixed(range(steps)))
+        return self._loader(dataset, FixedSampler(range(steps)))
 
     def _loader(self, dataset: RankMicroBatches, sampler: Any) -> DataLoader:
         # Persistent workers: the sampler (and so the order) lives in this process, and a spawned
@@ -430,16 +402,3 @@ class PretrainDataModule(L.LightningDataModule):
         if int(state_dict["seed"]) != self.seed:
             rank_zero_info(f"resume: seed {state_dict['seed']} -> {self.seed} changes the order of the coming epochs")
         self._resume = dict(state_dict)
-
-
-class _Fixed(torch.utils.data.Sampler[int]):
-    """The same indices every pass (validation)."""
-
-    def __init__(self, indices: range) -> None:
-        self.indices = indices
-
-    def __iter__(self):  # noqa: ANN204
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)

@@ -17,7 +17,7 @@ from lit_titan.strategies.plan import ParallelPlan, register_plan
 
 def tp_root(model: nn.Module, loss_parallel: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
     plan = {}
     if model.tok_embeddings is not None:
