@@ -264,6 +264,9 @@ def _validate_fault(cfg: DictConfig, world: int) -> None:
                           f"{cfg.trainer.max_steps}), so the drill never fires; use 1..{cfg.trainer.max_steps}")
     if fault.get("during_save") and not cfg.checkpoint.enabled:
         raise ConfigError("fault.during_save=true: there is no save to fail during; set checkpoint.enabled=true")
+    if fault.get("stage_error") and not (cfg.checkpoint.enabled and cfg.checkpoint.get("async_save", True)):
+        raise ConfigError(f"fault.stage_error={fault.stage_error}: only asynchronous saves stage a copy; set "
+                          "checkpoint.enabled=true checkpoint.async_save=true")
 
 
 def _validate_grad_reduce_scatter(cfg: DictConfig, dims: ParallelDims) -> None:

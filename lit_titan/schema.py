@@ -244,6 +244,7 @@ class FaultSchema:
     at_step: Optional[int] = key(ge=1)
     during_save: bool = key()
     save_error: Optional[str] = key(check=_errno_name)
+    stage_error: Optional[str] = key(check=_errno_name)
     slow_rank: Optional[int] = key(ge=0)  # issue 27's pre-flight drill
     slow_factor: float = key(gt=0)
 

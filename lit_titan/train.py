@@ -223,7 +223,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     if cfg.fault.kill_rank is not None:
         all_callbacks.append(FaultInjection(kill_rank=int(cfg.fault.kill_rank), at_step=int(cfg.fault.at_step),
                                             during_save=bool(cfg.fault.during_save),
-                                            save_error=cfg.fault.get("save_error")))
+                                            save_error=cfg.fault.get("save_error"),
+                                            stage_error=cfg.fault.get("stage_error")))
     t = cfg.trainer
     accumulation = global_batch // (dims.dp * micro)
     from lightning.pytorch.callbacks import ProgressBar

@@ -220,6 +220,23 @@ def test_prune_before_write_keeps_peak_checkpoints_at_keep_last(tmp_path, monkey
 
 # ---- an I/O error in one rank's writer ----------------------------------------------------------
 @pytest.mark.slow
+def test_a_failed_staging_copy_on_one_rank_ends_every_rank_at_once_with_one_line(tmp_path):
+    """Host memory exhausted on rank 1 while it copies step 4's state: every rank stops with the same line
+    within seconds (not at the collective timeout, cluster.timeout_s=180 here), step 2 is kept."""
+    proc = run_cli([*COMMON, "cluster.devices=2", "trainer.max_steps=6", "checkpoint.every_n_steps=2",
+                    "checkpoint.keep_last=2", "fault.kill_rank=1", "fault.at_step=4", "fault.stage_error=ENOMEM"],
+                   tmp_path, check=False, timeout=150)
+    assert proc.returncode == 2, proc.stderr[-5000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lit-titan: error:")]
+    assert len(errors) == 1, proc.stderr[-5000:]
+    assert "step-000004 could not be staged on rank 1" in errors[0], errors[0]
+    assert os.strerror(errno.ENOMEM) in errors[0] and "step-000002 is kept" in errors[0], errors[0]
+    assert "checkpoint.async_save=false" in errors[0] and "Traceback" not in proc.stderr
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000002"]
+    validate(ckpts / "step-000002")
+
+
 def test_enospc_in_one_ranks_writer_ends_every_rank_with_one_line(tmp_path):
     proc = run_cli([*COMMON, "cluster.devices=2", "trainer.max_steps=6", "checkpoint.every_n_steps=2",
                     "checkpoint.keep_last=2", "fault.kill_rank=1", "fault.at_step=4", "fault.save_error=ENOSPC"],

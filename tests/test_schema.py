@@ -216,6 +216,8 @@ def test_every_option_of_every_group_is_covered():
     (["fault.kill_rank=0", "fault.at_step=500"], "fault.at_step=500: after the run's last step"),
     (["cluster.devices=2", "fault.kill_rank=2", "fault.at_step=1"], "fault.kill_rank=2: not a rank of this "
                                                                     "2-process job; use 0..1"),
+    (["fault.kill_rank=0", "fault.at_step=2", "fault.stage_error=ENOMEM", "checkpoint.async_save=false"],
+     "fault.stage_error=ENOMEM: only asynchronous saves stage a copy"),
     (["callbacks=[profiler]", "callbacks.profiler.steps=[3,400]"], "callbacks.profiler.steps=[3, 400]: ends after"),
     (["cluster.devices=2", "parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches=3: the per-rank"),
 ])

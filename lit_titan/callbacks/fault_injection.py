@@ -7,7 +7,8 @@ complete checkpoint and finishes. ``during_save`` kills the rank while the check
 ``at_step`` is being written, i.e. after its shards started but before the save was published.
 ``save_error`` (an errno name such as ``ENOSPC`` or ``EACCES``) instead makes rank ``kill_rank``'s
 checkpoint writer raise that ``OSError`` when it starts writing the shards of step ``at_step``, as a
-full disk or a permission change would (the other ranks write normally).
+full disk or a permission change would (the other ranks write normally). ``stage_error`` (``ENOMEM``)
+makes that rank's copy of its state into host memory fail instead, as an exhausted host would.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from lit_titan.checkpoint.layout import staged_step
 
 
 class FaultInjection(L.Callback):
-    def __init__(self, kill_rank: int, at_step: int, during_save: bool = False, save_error: str | None = None) -> None:
+    def __init__(self, kill_rank: int, at_step: int, during_save: bool = False, save_error: str | None = None,
+                 stage_error: str | None = None) -> None:
         self.kill_rank, self.at_step, self.during_save = kill_rank, at_step, during_save
-        self.save_error = save_error
-        if save_error is not None and not isinstance(getattr(errno, str(save_error), None), int):
-            raise ValueError(f"fault.save_error={save_error} is not an errno name (e.g. ENOSPC, EACCES)")
+        self.save_error, self.stage_error = save_error, stage_error
+        for name, value in (("save_error", save_error), ("stage_error", stage_error)):
+            if value is not None and not isinstance(getattr(errno, str(value), None), int):
+                raise ValueError(f"fault.{name}={value} is not an errno name (e.g. ENOSPC, ENOMEM)")
         # torchrun counts attempts in TORCHELASTIC_RESTART_COUNT, the Slurm script of
         # `lit-titan launch` in LIT_TITAN_ATTEMPT.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("LIT_TITAN_ATTEMPT") or "0"
@@ -45,12 +48,15 @@ class FaultInjection(L.Callback):
             self.armed = attempt == 0
         if self.save_error is not None:
             trainer.strategy.checkpoint_writer.on_write_data.append(self._io_error)
+        elif self.stage_error is not None:
+            trainer.strategy.checkpoint_writer.on_stage.append(self._stage_error)
         elif self.during_save:
             trainer.strategy.checkpoint_writer.on_write_started.append(self._on_save)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not self.during_save and self.save_error is None and trainer.global_step == self.at_step:
+        drill = self.during_save or self.save_error is not None or self.stage_error is not None
+        if not drill and trainer.global_step == self.at_step:
             self._kill(f"at step {self.at_step}")
 
     def _on_save(self, staging: Path) -> None:
@@ -63,6 +69,13 @@ class FaultInjection(L.Callback):
             print(f"lit-titan: fault injection: {self.save_error} in rank {self._rank}'s checkpoint writer",
                   file=sys.stderr, flush=True)
             raise OSError(code, os.strerror(code), str(staging))
+
+    def _stage_error(self, staging: Path) -> None:
+        if self.armed and self._rank == self.kill_rank and staged_step(staging) == self.at_step:
+            code = getattr(errno, str(self.stage_error))
+            print(f"lit-titan: fault injection: {self.stage_error} while rank {self._rank} stages its checkpoint",
+                  file=sys.stderr, flush=True)
+            raise OSError(code, os.strerror(code))
 
     def _kill(self, when: str) -> None:
         if self.armed and self._rank == self.kill_rank:

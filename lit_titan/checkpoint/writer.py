@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from lit_titan.checkpoint import disk
 from lit_titan.checkpoint.layout import (
@@ -101,6 +102,15 @@ class _FileSystemWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
+class _AlreadyStaged(AsyncStager):
+    """DCP stager for a state that :class:`PinnedStager` has already copied (see ``save``)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+
 @dataclass
 class _Pending:
     finished: Future  # done when written (rank 0: and published); its exception is the save's failure
@@ -121,6 +131,8 @@ class CheckpointWriter:
         self.on_write_started: list[WriteHook] = []
         # Called in the writing thread of every rank just before it writes its shards (I/O-error drills).
         self.on_write_data: list[WriteHook] = []
+        # Called on every rank just before it stages its state (staging-error drills).
+        self.on_stage: list[WriteHook] = []
         self.records: list[SaveRecord] = []
         self._group: dist.ProcessGroup | None = None
         self._stager = PinnedStager()
@@ -214,7 +226,18 @@ class CheckpointWriter:
         record = SaveRecord(final.name, mine, total, 0, 0.0, 0.0, prepare_s=prepared - start)
         finished: Future = Future()
         if self.async_save and group is not None:
-            upload = dcp.async_save(state, storage_writer=writer, process_group=group, async_stager=self._stager)
+            # Staged here, not inside dcp.async_save, so that a rank whose copy fails (host memory
+            # exhausted, say) tells the others at once instead of leaving them in DCP's planning
+            # collectives until the process-group timeout.
+            error, staged = None, None
+            try:
+                for hook in self.on_stage:
+                    hook(staging)
+                staged = self._stager.stage(state)
+            except Exception as err:  # MemoryError, RuntimeError (pinning), OSError
+                error = self._stage_failure(err, final, mine, rank)
+            self._agree(error, rank=rank, cleanup=staging)
+            upload = dcp.async_save(staged, storage_writer=writer, process_group=group, async_stager=_AlreadyStaged())
             upload = getattr(upload, "upload_completion", upload)  # AsyncSaveResponse on newer torch
             record.stage_s, record.allocated_bytes = self._stager.last_stage_s, self._stager.allocated_bytes
         else:
@@ -276,6 +299,15 @@ class CheckpointWriter:
         kept = f"the previous complete checkpoint {previous[-1].name} is kept" if previous else "no earlier checkpoint"
         return (f"checkpoint {final.name} {what}{where} ({_one_line(cause)}); it needs {disk.fmt(need)}, {free}; "
                 f"{kept}; {disk.SETTINGS_HINT}")
+
+    @staticmethod
+    def _stage_failure(err: BaseException, final: Path, mine: int, rank: int) -> str:
+        """One line for a failed copy into host memory: nothing was written, the disk is not the cause."""
+        previous = published(final.parent)
+        kept = f"the previous complete checkpoint {previous[-1].name} is kept" if previous else "no earlier checkpoint"
+        return (f"checkpoint {final.name} could not be staged on rank {rank} ({_one_line(err)}); its copy of the "
+                f"state needs {disk.fmt(mine)} of host memory; {kept}; free host memory on that node or set "
+                "checkpoint.async_save=false (writes from the live state, no copy)")
 
     def _run_hooks(self, staging: Path) -> None:
         for hook in self.on_write_started:
