@@ -110,6 +110,7 @@ def test_two_nodes_intra_and_inter_node_groups(drill, named, tmp_path, worlds):
                      timeout=300).value
     report, line = got["report"], got["stopped"]
     assert report["nodes"] == 2 and [r["node"] for r in report["ranks"]] == [0, 0, 1, 1]
+    assert report["rounds"] == 3  # the drilled fault is slow in the first round and both re-measured ones
     links = {(d, tuple(v["ranks"])): v["nodes"] for r in report["ranks"] for d, v in r["links"].items()}
     assert {k: v for k, v in links.items() if k[0] != "dp_shard"} == {
         ("intra_node", (0, 1)): [0], ("intra_node", (2, 3)): [1],
