@@ -137,8 +137,10 @@ def node_groups(node_of: list[int], device_type: str) -> dict[str, Any]:
     """DeviceMesh dims ``inter_node`` (rows: a local index on every node) x ``intra_node`` (a node's ranks).
 
     ``node_of[rank]`` is each rank's node. Needs the same number of ranks on every node (torchrun's
-    ``--nproc-per-node``, Slurm's ``--ntasks-per-node``); otherwise, and for one rank per node, the
-    intra-node dim is left out. Collective: every rank calls it with the same ``node_of``.
+    ``--nproc-per-node``, Slurm's ``--ntasks-per-node``): nodes of different sizes get no node groups,
+    one rank per node no intra-node one, one node no inter-node one. Collective: every rank calls it
+    with the same ``node_of``. A DeviceMesh (torch's) rather than hand-made ``new_group`` calls: it
+    creates the row and column groups the same way on every rank.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
