@@ -247,6 +247,7 @@ class FaultSchema:
     stage_error: Optional[str] = key(check=_errno_name)
     slow_rank: Optional[int] = key(ge=0)  # issue 27's pre-flight drill
     slow_factor: float = key(gt=0)
+    slow_link: Optional[str] = key(choices=("intra_node", "inter_node", "pp", "dp_replicate", "dp_shard", "cp", "tp"))
 
 
 @dataclass

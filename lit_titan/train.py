@@ -215,6 +215,7 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
                                           threshold=float(cfg.preflight.threshold), expected_tflops=peak or None,
                                           slow_rank=cfg.fault.get("slow_rank"),
                                           slow_factor=float(cfg.fault.get("slow_factor", 4.0)),
+                                          slow_link=cfg.fault.get("slow_link"),
                                           only=bool(cfg.preflight.get("only", False))))
     if cfg.checkpoint.enabled:
         c = cfg.checkpoint

@@ -20,7 +20,7 @@ COMMANDS = {
     "launch": "print (--dry-run) or run the torchrun / Slurm command for a cluster profile",
     "export": "turn a checkpoint into a Hugging Face Llama directory",
     "report": "write RUN_DIR/report.html: loss, throughput, per-rank timeline, checkpoints",
-    "preflight": "burn-in and bandwidth test of every rank and mesh group; names slow ranks/links (train's overrides)",
+    "preflight": "burn-in and bandwidth test of every rank, mesh group and intra-/inter-node group; names slow ranks/links (train's overrides)",
 }
 
 # The keys a user changes most, one line each (every one exists in the composed config: tested).

@@ -108,7 +108,9 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, worlds):
     run_dir = tmp_path_factory.mktemp("lamb-single")
-    worlds.train([*COMMON, "cluster.devices=1"], run_dir)
+    # a checkpoint half-way too: test_lamb_resumes_into_another_layout continues from it
+    worlds.train([*COMMON, "cluster.devices=1", f"checkpoint.every_n_steps={STEPS // 2}", "checkpoint.keep_last=0"],
+                 run_dir)
     return run_dir
 
 
@@ -120,5 +122,19 @@ def test_lamb_layout_matches_single_process(layout, reference, tmp_path, worlds)
     assert_losses_match(losses(tmp_path), losses(reference), rtol=1e-5)
     ref_params, got = final_params(reference), final_params(tmp_path)
     assert ref_params.keys() == got.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(got[name], ref, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_lamb_resumes_into_another_layout(reference, tmp_path, worlds):
+    """Saved by one process at step 5, resumed under dp2 x tp2 (LAMB's moments and step counts resharded
+    by DCP onto FSDP x TP shards): the last 5 steps' losses are the uninterrupted run's."""
+    half = STEPS // 2
+    worlds.train([*COMMON, "cluster.devices=4", "parallel.tp=2",
+                  f"resume={reference / 'checkpoints' / f'step-{half:06d}'}"], tmp_path)
+    assert [int(r["step"]) for r in read_metrics(tmp_path)] == list(range(half, STEPS))  # continues
+    assert_losses_match(losses(tmp_path), losses(reference)[half:], rtol=1e-5)
+    ref_params, got = final_params(reference), final_params(tmp_path)
     for name, ref in ref_params.items():
         torch.testing.assert_close(got[name], ref, rtol=0, atol=1e-5, msg=name)

@@ -77,7 +77,14 @@ def test_parallel_block_matches_single_process(tmp_path, worlds):
     assert max(abs(a - b) / a for a, b in zip(ref, losses(tmp_path / "sequential"))) > 1e-4  # 10x the bound
     for name, layout in {"dp2_tp2": ["cluster.devices=4", "parallel.tp=2"],
                          "pp2": ["cluster.devices=2", "parallel.pp=2"],
-                         "cp2": ["cluster.devices=2", "parallel.cp=2"]}.items():
+                         "cp2": ["cluster.devices=2", "parallel.cp=2"],
+                         # compile (per block) and selective activation checkpointing around the fork/join
+                         # DTensors of the parallel block's TP plan. aot_eager: dynamo + AOTAutograd trace the
+                         # same graphs; this case cost ~4 s with it, 20-30 s with inductor on a cold cache (CI),
+                         # and inductor's own trap is guarded by test_callbacks.py's compile x TP x FSDP test
+                         "dp2_tp2_compile_ac": ["cluster.devices=4", "parallel.tp=2",
+                                                "callbacks=[compile,activation_checkpointing]",
+                                                "callbacks.compile.backend=aot_eager"]}.items():
         worlds.train([*COMMON, *layout], tmp_path / name)
         assert_losses_match(losses(tmp_path / name), ref, rtol=1e-5)
 

@@ -131,7 +131,8 @@ def predict_memory(cfg) -> int:
         s["args"], dims, s["layout"], precision=s["precision"], seq_len=s["seq_len"], micro_batch=micro,
         pp_microbatches=s["m"], stages_per_rank=s["v"], accumulation=max(s["gb"] // (dims.dp * s["local"]), 1),
         reshard_after_forward=s["reshard"], grad_reduce_scatter=s["grs"],
-        loss_chunk_tokens=_loss_chunk(cfg, s["args"]))["max_total_bytes"]
+        loss_chunk_tokens=_loss_chunk(cfg, s["args"]),
+        document_masking=bool((cfg.get("data") or {}).get("document_masking", False)))["max_total_bytes"]
 
 
 def _loss_chunk(cfg, args) -> int:

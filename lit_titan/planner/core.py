@@ -116,7 +116,8 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     mem = estimate.rank_memory(args, dims, layout, precision=precision, seq_len=seq_len, micro_batch=micro,
                                pp_microbatches=pp_micro, stages_per_rank=stages_per_rank,
                                accumulation=accumulation, reshard_after_forward=reshard,
-                               grad_reduce_scatter=grad_reduce_scatter, loss_chunk_tokens=loss_chunk)
+                               grad_reduce_scatter=grad_reduce_scatter, loss_chunk_tokens=loss_chunk,
+                               document_masking=bool((cfg.get("data") or {}).get("document_masking", False)))
     param_bytes, grad_bytes, optimizer_bytes = mem["param_bytes"], mem["grad_bytes"], mem["optimizer_bytes"]
     buffers, act0 = mem["fsdp_buffer_bytes"], mem["activation_detail"]
     plan["per_rank"] = {

@@ -10,6 +10,7 @@ plus what TP/CP keep gathered, the embedding output, and the larger of the loss'
 (12*tokens*V/t, or one chunk's) and one block's backward (its gradients, plus its recomputation).
 Under pipeline parallelism the first pipeline rank holds L blocks' worth (1F1B) or
 L*(1 + (p-1)/(p*v)) for v > 1 stages per rank, never more than m in-flight micro-batches.
+With SDPA, sliding-window and document masks are dense bools the model builds (attention_mask_bytes).
 """
 
 from __future__ import annotations
@@ -87,6 +88,36 @@ def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str)
     raise ValueError(mode)
 
 
+def attention_mask_bytes(args, seq_len: int, micro_batch: int, *, document_masking: bool, cp: int = 1,
+                         act_elem: int = 2, layers_kept: float = 0.0) -> dict[str, int]:
+    """Dense masks of the SDPA path (lit_titan/models/llama3/attention.py): the bools the model builds and
+    the additive copies SDPA saves for backward.
+
+    Plain causal SDPA passes ``is_causal`` and FlexAttention a block mask: nothing dense. Without documents
+    each windowed layer's mask is the cached [s, s] bool ``window_mask`` (kept for the run, shared by the
+    layers of one window); with documents every distinct window (full causal included) keeps its cached
+    [s, s] band and this forward's [b, 1, s, s] mask. SDPA turns a bool mask into an additive one in the
+    query dtype (``act_elem`` bytes per element) and saves it for backward, one per masked layer call
+    (measured on CPU, tests/test_plan_masks.py): ``layers_kept`` layers' worth stay alive, and one more
+    while a checkpointed block recomputes. At s = 32768 one [s, s] bool is 1 GiB, its bf16 copy 2 GiB.
+    Under CP the CP core builds its own masks per chunk (not counted here).
+    """
+    none = {"bool": 0, "saved": 0, "per_layer": 0}
+    if getattr(args, "attention", "sdpa") != "sdpa" or cp > 1:
+        return none
+    s, b = seq_len, micro_batch
+    layer_windows = [args.window_of(i) for i in range(args.n_layers)]
+    windows = set(layer_windows)
+    if document_masking:
+        bools = len(windows) * (s * s + b * s * s)
+        masked = [b * s * s] * args.n_layers
+    else:
+        bools = sum(s * s for w in windows if w is not None)
+        masked = [s * s if w is not None else 0 for w in layer_windows]
+    mean = sum(masked) / len(masked)
+    return {"bool": int(bools), "saved": int(mean * act_elem * layers_kept), "per_layer": int(max(masked) * act_elem)}
+
+
 def backward_temp_bytes(args, s: int, b: int, t: int, cp: int) -> float:
     """Gradients alive inside one block's backward (16-bit count): those of its input and output and of
     the MLP's two hidden activations, 2*s*b*(2h + 2f)/(t*cp)."""
@@ -100,7 +131,8 @@ def activation_elem_bytes(precision: str) -> int:
 
 def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, every_n_layers: int,
                      layers_on_rank: int, has_output: bool, pp_microbatches: int, stages_per_rank: int,
-                     loss_chunk_tokens: int = 0, act_elem: int = 2) -> dict[str, Any]:
+                     loss_chunk_tokens: int = 0, act_elem: int = 2, document_masking: bool = False
+                     ) -> dict[str, Any]:
     t, cp, p, v = dims.tp, dims.cp, dims.pp, stages_per_rank
     width = act_elem / 2  # the per-block formulas count 16-bit elements
     s, b = seq_len, micro_batch
@@ -126,8 +158,19 @@ def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, e
     loss_tokens = s * b / cp if not loss_chunk_tokens else min(loss_chunk_tokens, s * b / cp)
     loss = 12 * loss_tokens * args.vocab_size / t if has_output else 0.0
     # The loss's buffers are freed before the first block's backward recomputes it: two peaks, not one.
-    total = blocks + embedding + max(loss, recompute_peak)
+    # layers whose SDPA inputs stay saved until backward: all but the checkpointed ones (their masks are
+    # rebuilt in the recomputation, one block at a time)
+    kept = {"none": 1.0, "selective_op": 1.0, "full": 0.0}.get(mode)
+    if kept is None:  # selective_layer
+        n_ckpt = (layers_on_rank + every_n_layers - 1) // every_n_layers
+        kept = (layers_on_rank - n_ckpt) / max(layers_on_rank, 1)
+    masks = attention_mask_bytes(args, s, b, document_masking=document_masking, cp=cp, act_elem=act_elem,
+                                 layers_kept=in_flight * kept)
+    if mode != "none":
+        recompute_peak += masks["per_layer"]
+    total = blocks + embedding + max(loss, recompute_peak) + masks["bool"] + masks["saved"]
     return {"total": int(total), "blocks": int(blocks), "blocks_in_flight": in_flight,
+            "attention_mask": masks["bool"] + masks["saved"], "attention_mask_detail": masks,
             "per_block": int(per_block), "recompute_peak": int(recompute_peak), "embedding": int(embedding),
             "loss": int(loss), "micro_batch": b, "mode": mode}
 
@@ -266,7 +309,8 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
 
 def rank_memory(args, dims, layout, *, precision: str, seq_len: int, micro_batch: int, pp_microbatches: int,
                 stages_per_rank: int, accumulation: int, reshard_after_forward: bool,
-                grad_reduce_scatter: str, loss_chunk_tokens: int = 0) -> dict[str, Any]:
+                grad_reduce_scatter: str, loss_chunk_tokens: int = 0, document_masking: bool = False
+                ) -> dict[str, Any]:
     """Per-rank memory of a layout: rank 0's breakdown, every pipeline rank's total, and the maximum.
 
     One function for both the one-layout plan (``layout`` measured on the meta model) and the search
@@ -284,7 +328,7 @@ def rank_memory(args, dims, layout, *, precision: str, seq_len: int, micro_batch
                                 every_n_layers=layout.ac_every_n_layers, layers_on_rank=layers,
                                 has_output=has_output, pp_microbatches=pp_microbatches,
                                 stages_per_rank=stages_per_rank, loss_chunk_tokens=loss_chunk_tokens,
-                                act_elem=activation_elem_bytes(precision))
+                                act_elem=activation_elem_bytes(precision), document_masking=document_masking)
 
     act0 = acts(layout.layers_on_rank, layout.pp_rank_has_output[0])
     total0 = param_bytes + grad_bytes + optimizer_bytes + act0["total"] + buffers

@@ -73,13 +73,16 @@ def _preflight(root: Path, run: Run) -> str:
     found = pf.get("found") or []
     verdict = ("<b>found</b>: " + html.escape("; ".join(found))) if found else "nothing below the threshold"
     rows = "".join(
-        f"<tr><td>{r.get('rank')}</td><td>{html.escape(str(r.get('host')))}</td><td>{r.get('tflops', 0):.4g}</td><td>"
-        + html.escape(", ".join(f"{d} {v.get('all_reduce_gbps', 0):.3g}/{v.get('all_gather_gbps', 0):.3g}"
+        f"<tr><td>{r.get('rank')}</td><td>{r.get('node', '-')}</td><td>{html.escape(str(r.get('host')))}</td>"
+        f"<td>{r.get('tflops', 0):.4g}</td><td>"
+        + html.escape(", ".join(f"{d} {v.get('ranks', '')} {v.get('all_reduce_gbps', 0):.3g}/"
+                                f"{v.get('all_gather_gbps', 0):.3g}"
                                 for d, v in (r.get("links") or {}).items())) + "</td></tr>"
         for r in pf.get("ranks") or [])
     return (f"<p><b>Pre-flight</b> ({_link(root, run.path / 'preflight.json')}, threshold {pf.get('threshold')} x "
             f"median, action {html.escape(str(pf.get('action')))}): {verdict}</p><details><summary>Per rank: matmul "
-            f"TFLOP/s, all-reduce/all-gather GB/s per mesh group</summary><table><tr><th>rank</th><th>host</th>"
+            f"TFLOP/s, all-reduce/all-gather GB/s per mesh group and intra-/inter-node group (its ranks)</summary>"
+            f"<table><tr><th>rank</th><th>node</th><th>host</th>"
             f"<th>TFLOP/s</th><th>links</th></tr>{rows}</table></details>")
 
 

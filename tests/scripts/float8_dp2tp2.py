@@ -3,7 +3,8 @@
 Usage: float8_dp2tp2.py OUT_JSON DEVICES [key=value ...]
   strategy kwargs (dp_shard=2 tp=2 ...), precision=bf16-mixed, accelerator=cpu, float8=0|1, compile=0|1,
   steps=N (the LR schedule's length), max_steps=M (stop after M <= N steps: same schedule, fewer steps),
-  float8.<Float8 kwarg>=value (recipe, enable_fsdp_float8_all_gather, precompute_scales, emulate, float8_tp).
+  float8.<Float8 kwarg>=value (recipe, enable_fsdp_float8_all_gather, precompute_scales, emulate, float8_tp),
+  model.<model arg>=value (e.g. model.parallel_block=true), optim.<OptimConfig field>=value (e.g. optim.lr=1e-2).
 Run as a script (Lightning's launcher re-runs it for the other ranks, hence the __main__ guard), or
 call ``main(argv)`` on every rank of a running world (tests/world.py): the watches it installs are
 removed again when it returns, so the next case in the same process starts clean.
@@ -92,7 +93,8 @@ class Record(L.Callback):
         with open(self.out, "w") as f:
             json.dump({"losses": self.losses, "scales_set": self.scales_set, "weight_types": weight_types,
                        "all_gather_dtypes": sorted(GATHERED_DTYPES), "tp_float8_all_gathers": TP_FLOAT8_GATHERS[0],
-                       "float8_modules": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}, f)
+                       "float8_modules": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
+                       "ffn_norms": sum(name.endswith("ffn_norm") for name, _ in model.named_modules())}, f)
 
 
 def _parse(value: str):
@@ -104,7 +106,8 @@ def _parse(value: str):
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     out, devices = argv[0], int(argv[1])
-    strategy_kwargs, float8_kwargs = {}, {"emulate": True, "auto_filter_small_kn": False}
+    strategy_kwargs, float8_kwargs, model_kwargs = {}, {"emulate": True, "auto_filter_small_kn": False}, {}
+    optim_kwargs: dict = {}
     precision, accelerator, steps, max_steps, use_float8, use_compile = "bf16-mixed", "cpu", 20, None, True, False
     for item in argv[2:]:
         key, value = item.split("=", 1)
@@ -120,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
             use_compile = bool(int(value))
         elif key == "float8":
             use_float8 = bool(int(value))
+        elif key.startswith("optim."):
+            optim_kwargs[key.removeprefix("optim.")] = float(value)
+        elif key.startswith("model."):
+            model_kwargs[key.removeprefix("model.")] = _parse(value)
         elif key.startswith("float8."):
             float8_kwargs[key.removeprefix("float8.")] = _parse(value)
         else:
@@ -130,14 +137,15 @@ def main(argv: list[str] | None = None) -> None:
         _watch_float8_all_gather(stack)
         _watch_float8_tp_all_gather(accelerator == "cpu", stack)
         _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8,
-               use_compile)
+               use_compile, model_kwargs, optim_kwargs)
 
 
 def _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8,
-           use_compile) -> None:
+           use_compile, model_kwargs, optim_kwargs) -> None:
     torch.manual_seed(0)
-    module = PretrainModule("llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
-                            {"total_steps": steps, "warmup_steps": 2})
+    module = PretrainModule("llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512,
+                                             **model_kwargs},
+                            {"total_steps": steps, "warmup_steps": 2, **optim_kwargs})
     data = PretrainDataModule(seq_len=32, global_batch_size=8, max_bytes=300_000,
                               tokenizer={"kind": "bpe", "vocab_size": 512}, model_vocab_size=512,
                               data_dir=os.environ["LIT_TITAN_CACHE"])
