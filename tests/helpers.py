@@ -33,18 +33,41 @@ def run_job(cmd: list[str], *, timeout: int = 600, env: dict | None = None, cwd:
     On a timeout the whole job (Lightning's child ranks too) is killed; otherwise a rank left
     waiting for a dead peer keeps our output pipes open and the test hangs.
     """
-    job_env = {k: v for k, v in (env or os.environ).items() if k not in _JOB_ENV_DROP}
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env,
-                             cwd=cwd, start_new_session=True)
-    try:
-        out, err = popen.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(popen.pid)
-        out, err = popen.communicate()
-        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s:\n{out[-3000:]}\n{err[-6000:]}")
-    finally:
-        _kill_group(popen.pid)
-    return subprocess.CompletedProcess(cmd, popen.returncode, out, err)
+    return start_job(cmd, env=env, cwd=cwd).wait(timeout)
+
+
+class Job:
+    """A started ``run_job``: ``wait`` collects it once (and kills what it left behind)."""
+
+    def __init__(self, cmd: list[str], env: dict | None, cwd: Path | str | None) -> None:
+        job_env = {k: v for k, v in (env or os.environ).items() if k not in _JOB_ENV_DROP}
+        self.cmd = cmd
+        self._popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env,
+                                       cwd=cwd, start_new_session=True)
+        self._result: subprocess.CompletedProcess | None = None
+
+    def wait(self, timeout: int = 600) -> subprocess.CompletedProcess:
+        if self._result is None:
+            popen = self._popen
+            try:
+                out, err = popen.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(popen.pid)
+                out, err = popen.communicate()
+                raise AssertionError(f"{' '.join(self.cmd)} timed out after {timeout}s:\n{out[-3000:]}\n{err[-6000:]}")
+            finally:
+                _kill_group(popen.pid)
+            self._result = subprocess.CompletedProcess(self.cmd, popen.returncode, out, err)
+        return self._result
+
+
+def start_job(cmd: list[str], *, env: dict | None = None, cwd: Path | str | None = None) -> Job:
+    """``run_job`` without the wait, for command lines a test file starts side by side.
+
+    Why: a command line that ends on a config error is almost all interpreter start-up (imports,
+    about 7 s of one core here); started together, such jobs use both cores instead of queuing.
+    """
+    return Job(cmd, env, cwd)
 
 
 def run_cli(overrides: list[str], run_dir: Path, *, check: bool = True, timeout: int = 600,

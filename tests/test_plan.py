@@ -154,21 +154,21 @@ def test_launch_dry_run_prints_the_profile_command(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_plan_change_shows_in_planner_and_training(tmp_path):
+def test_a_plan_change_shows_in_planner_and_training(tmp_path, worlds):
     """Planner and training parallelise through the same code: swap the embedding's TP style in the
     model plan (tests/scripts/plan_change.py) and both report the new placement; the stock planner
-    still reports the old one. Training runs for real: 4 gloo processes, dp2 x tp2."""
+    still reports the old one. Training runs for real: 4 gloo processes, dp2 x tp2, in the reused
+    4-process world; the planner in this process (both put the stock plan back when they return)."""
     from helpers import TINY
+    from scripts.plan_change import main as plan_change
 
-    script = Path(__file__).parent / "scripts" / "plan_change.py"
     layout = [*TINY, "cluster.devices=4", "parallel.tp=2", "trainer.max_steps=1", "checkpoint.enabled=false"]
     stock = _plan_examples(layout, tmp_path)
-    out = {}
-    for mode in ("plan", "train"):
-        out[mode] = tmp_path / f"{mode}.json"
-        proc = run_job([sys.executable, str(script), mode, str(out[mode]), *layout, f"run_dir={tmp_path / mode}"],
-                       timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+    out = {mode: tmp_path / f"{mode}.json" for mode in ("plan", "train")}
+    plan_change(["plan", str(out["plan"]), *layout, f"run_dir={tmp_path / 'plan'}"])
+    assert _plan_examples(layout, tmp_path) == stock  # the change did not outlive its run
+    worlds.run(4, "scripts.plan_change:main", ["train", str(out["train"]), *layout, f"run_dir={tmp_path / 'train'}"],
+               timeout=300)
     planned, trained = (json.loads(out[m].read_text()) for m in ("plan", "train"))
     emb = "tok_embeddings.weight"
     assert stock[emb]["placements"][-1] == "S(0)"  # RowwiseParallel: the vocabulary on tp

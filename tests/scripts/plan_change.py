@@ -2,18 +2,25 @@
 
 The embedding becomes ColwiseParallel (shard the embedding dim, weight placement S(1) on tp)
 instead of TorchTitan's RowwiseParallel (shard the vocabulary, S(0)); both are correct layouts.
-Registered at import, so Lightning's launcher (which re-runs this script per rank) sees it too.
+The changed plan is registered only while ``main`` runs and the stock one put back on return:
+``main`` runs in the test's own process (plan) and on every rank of a reused world
+(tests/world.py, train), where module state outlives the case.
 Usage: plan_change.py {plan|train} OUT_JSON [hydra overrides]
 """
 
+from __future__ import annotations
+
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 
 import lightning as L
 
 from lit_titan.models.llama3 import Transformer
 from lit_titan.models.llama3.plan import LLAMA3_PLAN
+from lit_titan.strategies import plan as registry
 from lit_titan.strategies.plan import register_plan
 
 
@@ -28,7 +35,19 @@ def tp_root_colwise_embedding(model, loss_parallel):
     return plan
 
 
-register_plan(Transformer, replace(LLAMA3_PLAN, tp_root=tp_root_colwise_embedding))
+@contextlib.contextmanager
+def colwise_embedding() -> Iterator[None]:
+    """The changed plan registered for Transformer; the one registered before restored on exit."""
+    # The registry has no public "unregister": read and restore its entry for this class directly.
+    saved = registry._REGISTRY.get(Transformer)
+    register_plan(Transformer, replace(LLAMA3_PLAN, tp_root=tp_root_colwise_embedding))
+    try:
+        yield
+    finally:
+        if saved is None:
+            registry._REGISTRY.pop(Transformer, None)
+        else:
+            register_plan(Transformer, saved)
 
 
 class DumpPlacements(L.Callback):
@@ -46,18 +65,20 @@ class DumpPlacements(L.Callback):
                 json.dump(params, f)
 
 
-def main() -> None:
-    mode, out, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-    if mode == "plan":
-        from lit_titan.plan import make_plan
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    mode, out, overrides = argv[0], argv[1], argv[2:]
+    with colwise_embedding():
+        if mode == "plan":
+            from lit_titan.plan import make_plan
 
-        with open(out, "w") as f:
-            json.dump(make_plan(overrides, write=False)["per_rank"]["example_parameters"], f)
-    else:
-        from lit_titan.config import compose
-        from lit_titan.train import train
+            with open(out, "w") as f:
+                json.dump(make_plan(overrides, write=False)["per_rank"]["example_parameters"], f)
+        else:
+            from lit_titan.config import compose
+            from lit_titan.train import train
 
-        train(compose(overrides), callbacks=[DumpPlacements(out)])
+            train(compose(overrides), callbacks=[DumpPlacements(out)])
 
 
 if __name__ == "__main__":
