@@ -15,7 +15,7 @@ import pytest
 from lit_titan.config import ConfigError
 from lit_titan.train import main
 
-from helpers import TINY, run_job, start_job
+from helpers import TINY, run_job
 
 ERROR = "lit-titan: error: "
 
@@ -91,48 +91,27 @@ def test_prepared_directory_without_manifest(tmp_path):
 
 # ---- the real command line ------------------------------------------------------------------------------
 def _cli(args, tmp_path, env=None):
-    return _lines(run_job([sys.executable, "-m", *args], timeout=300, cwd=tmp_path, env=env))
-
-
-def _lines(proc):
+    proc = run_job([sys.executable, "-m", *args], timeout=300, cwd=tmp_path, env=env)
     return proc.returncode, [line for line in proc.stderr.splitlines() if line.strip()], proc
 
 
-ONE_LINE = [
+@pytest.mark.parametrize("args, starts", [
     (["lit_titan.train", "trainer.max_steps=ten"], "trainer.max_steps=ten: wrong type"),  # class 1: wrong type
     (["lit_titan.train", "checkpoint.keep_last=-1"], "checkpoint.keep_last=-1: out of range"),  # class 2: range
     (["lit_titan.train", "run_dir=/proc/lit-titan-run"], "run_dir=/proc/lit-titan-run: cannot write"),  # class 5
     (["lit_titan.plan", "optim.betas=[0.9]"], "optim.betas=[0.9]: not two numbers"),
     (["lit_titan.prepare", "data=text", "data.path=nowhere", "out=out"], "data.path=nowhere: no such"),
-]
-FULL_ERROR = ["lit_titan.train", "optim.lr=-1"]
-
-
-@pytest.fixture(scope="module")
-def cli_jobs(tmp_path_factory):
-    """Every one-line command line of this file, started at once (each in its own empty directory) at the
-    first test that needs one: each is a fresh interpreter that spends its time importing, so side by side
-    they share the two cores instead of queuing (helpers.start_job). Each test still reads its own job."""
-    jobs = {}
-    for args, env in [*((a, None) for a, _ in ONE_LINE), (FULL_ERROR, {**os.environ, "HYDRA_FULL_ERROR": "1"})]:
-        cwd = tmp_path_factory.mktemp("cli")
-        jobs[tuple(args)] = (cwd, start_job([sys.executable, "-m", *args], cwd=cwd, env=env))
-    yield jobs
-    for _, job in jobs.values():
-        job.wait(300)  # none left running past the module
-
-
-@pytest.mark.parametrize("args, starts", ONE_LINE)
-def test_cli_one_line_and_exit_code_2(args, starts, cli_jobs):
-    cwd, job = cli_jobs[tuple(args)]
-    code, lines, proc = _lines(job.wait(300))
+])
+def test_cli_one_line_and_exit_code_2(args, starts, tmp_path):
+    code, lines, proc = _cli(args, tmp_path)
     assert code == 2 and lines == [ERROR + lines[0][len(ERROR):]] and lines[0].startswith(ERROR + starts), \
         proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and not (cwd / "runs").exists()
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
 
 
-def test_cli_hydra_full_error_shows_the_traceback_and_other_ranks_stay_quiet(cli_jobs):
-    code, lines, proc = _lines(cli_jobs[tuple(FULL_ERROR)][1].wait(300))
+def test_cli_hydra_full_error_shows_the_traceback_and_other_ranks_stay_quiet(tmp_path):
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    code, lines, proc = _cli(["lit_titan.train", "optim.lr=-1"], tmp_path, env=env)
     assert code != 0 and "Traceback" in proc.stderr and "optim.lr=-1: out of range" in proc.stderr
 
 

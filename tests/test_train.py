@@ -4,31 +4,15 @@ import os
 import shutil
 import sys
 
-import pytest
 import yaml
 
-from helpers import TINY, losses, read_metrics, start_job
+from helpers import TINY, losses, read_metrics, run_cli, run_job
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Both command lines of this file, started side by side at the first test (helpers.start_job): each is
-    one process that spends most of its time importing and starting, so together they share the two cores.
-    {name: (run_dir, job)}; each test reads its own."""
+def test_cli_trains_and_loss_falls(tmp_path):
     exe = shutil.which("lit-titan") or os.path.join(os.path.dirname(sys.executable), "lit-titan")
-    cli, wandb = tmp_path_factory.mktemp("cli"), tmp_path_factory.mktemp("wandb") / "run"
-    jobs = {"cli": (cli, start_job([exe, "train", *TINY, "trainer.max_steps=30", "optim.lr=3e-3", "logger=tensorboard",
-                                    f"run_dir={cli}"])),
-            "wandb": (wandb, start_job([sys.executable, "-m", "lit_titan.train", *TINY, "trainer.max_steps=2",
-                                        "logger=wandb", "checkpoint.enabled=false", f"run_dir={wandb}"]))}
-    yield jobs
-    for _, job in jobs.values():
-        job.wait(600)
-
-
-def test_cli_trains_and_loss_falls(runs):
-    tmp_path, job = runs["cli"]
-    proc = job.wait(600)
+    proc = run_job([exe, "train", *TINY, "trainer.max_steps=30", "optim.lr=3e-3", "logger=tensorboard",
+                           f"run_dir={tmp_path}"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert [int(r["step"]) for r in rows] == list(range(30))  # one row per optimizer step
@@ -46,9 +30,7 @@ def test_cli_trains_and_loss_falls(runs):
     assert "tokens/s" in proc.stdout + proc.stderr
 
 
-def test_wandb_logs_offline_without_an_account(runs):
-    run_dir, job = runs["wandb"]
-    proc = job.wait(600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline W&B run was written"
-    assert len(losses(run_dir)) == 2
+def test_wandb_logs_offline_without_an_account(tmp_path):
+    run_cli([*TINY, "trainer.max_steps=2", "logger=wandb", "checkpoint.enabled=false"], tmp_path / "run")
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*")), "no offline W&B run was written"
+    assert len(losses(tmp_path / "run")) == 2
