@@ -64,18 +64,17 @@ class FaultInjection(L.Callback):
             self._kill(f"while saving the checkpoint of step {self.at_step}")
 
     def _io_error(self, staging: Path) -> None:
-        if self.armed and self._rank == self.kill_rank and staged_step(staging) == self.at_step:
-            code = getattr(errno, str(self.save_error))
-            print(f"lit-titan: fault injection: {self.save_error} in rank {self._rank}'s checkpoint writer",
-                  file=sys.stderr, flush=True)
-            raise OSError(code, os.strerror(code), str(staging))
+        self._raise(staging, str(self.save_error), f"in rank {self._rank}'s checkpoint writer", str(staging))
 
     def _stage_error(self, staging: Path) -> None:
+        self._raise(staging, str(self.stage_error), f"while rank {self._rank} stages its checkpoint")
+
+    def _raise(self, staging: Path, name: str, where: str, *filename: str) -> None:
+        """The drilled rank's ``OSError(name)`` at step ``at_step``, said on stderr first."""
         if self.armed and self._rank == self.kill_rank and staged_step(staging) == self.at_step:
-            code = getattr(errno, str(self.stage_error))
-            print(f"lit-titan: fault injection: {self.stage_error} while rank {self._rank} stages its checkpoint",
-                  file=sys.stderr, flush=True)
-            raise OSError(code, os.strerror(code))
+            code = getattr(errno, name)
+            print(f"lit-titan: fault injection: {name} {where}", file=sys.stderr, flush=True)
+            raise OSError(code, os.strerror(code), *filename)
 
     def _kill(self, when: str) -> None:
         if self.armed and self._rank == self.kill_rank:
