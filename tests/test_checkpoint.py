@@ -81,10 +81,10 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(reference, tmp_path, fault)
            f"run_dir={tmp_path}"]
     proc = run_job(cmd, timeout=400)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "fault injection: killing rank 1" in proc.stderr
+    assert "fault injection: killing rank 1" in proc.stderr, proc.stderr[-5000:]
     # Killed after step 13 (checkpoint 10 published) or while saving step 10 (never published: 5 is newest).
     resumed_from = 10 if "fault.at_step=13" in fault else 5
-    assert f"resuming from {tmp_path / 'checkpoints' / f'step-{resumed_from:06d}'}" in proc.stderr
+    assert f"resuming from {tmp_path / 'checkpoints' / f'step-{resumed_from:06d}'}" in proc.stderr, proc.stderr[-5000:]
     first = read_metrics(tmp_path)
     assert int(first[0]["step"]) == resumed_from and int(first[-1]["step"]) == STEPS - 1
     assert_losses_match(losses(tmp_path), losses(reference)[resumed_from:], rtol=1e-5)
