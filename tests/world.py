@@ -38,6 +38,18 @@ from typing import Any
 _CASE_ENV_DROP = ("LIT_TITAN_RUN_DIR", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID",
                   "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK", "GLOBAL_RANK")
 _READY_TIMEOUT_S = 300
+# Every fit in a world creates sub-groups (the mesh's dims and flattened views, the checkpoint
+# writer's, the pre-flight's) that outlive it: the world owns the default group, so the strategy
+# does not tear the groups down. Destroying them at teardown was tried: torch's DTensor caches
+# (sharding propagation, redistribute plans) key on a mesh by its layout and hand the next fit the
+# earlier mesh, whose groups are then gone ("Could not resolve the process group"). Each idle gloo
+# group keeps three threads that cost about 0.4 ms of CPU per second (measured: 300 groups, 1.19 s
+# per 10 s per rank), and a CI run reached 1,016 threads per rank in the 4-process world: about a
+# core of the 2-core machine, load average 220-390, the suite 45.6 min instead of ~28. So a world
+# whose ranks hold more threads than this is replaced before its next case. A fit adds about 27
+# threads per rank (9 groups) and a 4-process world starts in about 8.5 s: at 400 a world is
+# replaced every ~14 fits, while its groups never drain more than ~0.2 core.
+MAX_THREADS = 400
 
 
 @dataclass
@@ -82,6 +94,15 @@ class World:
     @property
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
+
+    def threads(self) -> int:
+        """The most OS threads any rank holds now (Linux ``/proc``; 0 where it cannot be read)."""
+        counts = [0]
+        for p in self._procs:
+            with contextlib.suppress(OSError, ValueError):
+                status = Path(f"/proc/{p.pid}/status").read_text()
+                counts.append(int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:"))))
+        return max(counts)
 
     def run(self, target: str, *args: Any, timeout: float = 600) -> CaseResult:
         """Run ``module:function(*args)`` on every rank; rank 0's return value and output."""
@@ -144,6 +165,8 @@ class Worlds:
 
     def get(self, size: int) -> World:
         world = self._worlds.get(size)
+        if world is not None and world.alive and world.threads() > MAX_THREADS:
+            world.close()  # see MAX_THREADS: a fresh world costs a few seconds, the old one a core
         if world is None or not world.alive:
             world = self._worlds[size] = World(size)
         return world
