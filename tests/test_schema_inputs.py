@@ -135,3 +135,26 @@ def test_a_runtime_failure_on_one_rank_is_one_line_naming_the_rank_and_its_log(t
         f"in {log}"], proc.stderr[-3000:]
     assert 'raise RuntimeError("simulated failure' in log.read_text()
     assert 'raise RuntimeError("simulated failure' not in proc.stderr  # no traceback of the rank on the console
+
+
+def test_a_finished_rank_exits_with_its_code_after_its_exit_handlers(tmp_path):
+    """``cli.exit_rank``: a launched rank skips interpreter teardown (where torch's cached gloo groups
+    could abort it), but an idle thread pool is stopped, a non-daemon thread joined, atexit handlers
+    run and the exit code is kept."""
+    script = tmp_path / "rank.py"
+    script.write_text(f"""
+import atexit, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from lit_titan.cli import exit_rank
+out = Path({str(tmp_path)!r})
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+pool = ThreadPoolExecutor(1); pool.submit(lambda: None).result()  # an idle worker thread: must not hang the exit
+threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("joined"))).start()
+exit_rank(3)
+(out / "after").write_text("not reached")
+""")
+    proc = run_job([sys.executable, str(script)], timeout=60)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "joined"
+    assert not (tmp_path / "after").exists()
