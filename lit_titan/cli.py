@@ -47,7 +47,7 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
 
 def _exit(code: int, launched_job: bool) -> None:
     """``sys.exit(code)``; a rank of a multi-process job skips interpreter teardown (``exit_rank``)."""
-    if launched_job and job_rank() is not None:
+    if launched_job and is_rank_of_a_job():
         exit_rank(code)
     if code:
         sys.exit(code)
@@ -75,6 +75,17 @@ def exit_rank(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def is_rank_of_a_job() -> bool:
+    """This process is one rank of a multi-process job, even after its process group is gone.
+
+    torchrun sets ``WORLD_SIZE``, srun ``SLURM_NTASKS``; Lightning's own launcher leaves ``LOCAL_RANK``
+    set on every rank (its environment's teardown removes ``WORLD_SIZE``). A one-process run has none.
+    """
+    env = os.environ
+    return (job_rank() is not None or "LOCAL_RANK" in env
+            or int(env.get("SLURM_NTASKS", "1") or 1) > 1)
 
 
 def job_rank() -> int | None:
