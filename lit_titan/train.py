@@ -125,7 +125,9 @@ def continue_command(cfg: DictConfig, run_dir: Path) -> str | None:
     steps, total = int(cfg.trainer.max_steps), int(cfg.optim.get("total_steps", cfg.trainer.max_steps))
     replaced = ("run_dir", "resume", "trainer.max_steps", "optim.total_steps")
     hc = HydraConfig.get()
-    if Path(str(hc.runtime.output_dir)).resolve() != run_dir:  # set by an earlier job of this process, not ours
+    # Hydra's record of an earlier command of this process (a job, or a --cfg display that never set
+    # output_dir: it stays '???'), not ours: no command to print
+    if OmegaConf.is_missing(hc.runtime, "output_dir") or Path(str(hc.runtime.output_dir)).resolve() != run_dir:
         return None
     own = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in replaced and not o.startswith("hydra")]
     config_dirs = [arg for source in hc.runtime.config_sources if source.provider == "command-line"

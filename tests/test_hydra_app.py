@@ -152,3 +152,14 @@ def test_submitit_local_two_tasks_match_one_process_and_devices_2(tmp_path, worl
     assert_losses_match(got, losses(tmp_path / "one"), rtol=1e-6)
     assert_losses_match(got, losses(tmp_path / "devices2"), rtol=1e-6)
     assert _summary(job)[0]["final_loss"] == str(got[-1])
+
+
+def test_a_display_command_then_an_in_process_run_prints_no_stale_continue_command(tmp_path, capsys):
+    """A notebook's ``main(["--cfg", "job"])`` leaves Hydra's record of that command (its output_dir is
+    never set). A later ``train(cfg)`` in the same process once failed on it (MissingMandatoryValue)."""
+    from lit_titan.config import compose
+    from lit_titan.train import continue_command
+
+    main(["--cfg", "job", "seed=3"])
+    capsys.readouterr()
+    assert continue_command(compose([*TINY, f"run_dir={tmp_path}"]), tmp_path) is None
