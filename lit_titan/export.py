@@ -56,6 +56,12 @@ def check_checkpoint(ckpt: Path) -> None:
     if not (ckpt / ".metadata").is_file():
         raise ExportError(f"{ckpt} is not a complete checkpoint (no .metadata: the save was interrupted?); "
                           f"choose another checkpoint in {ckpt.parent}")
+    from lit_titan.checkpoint import CheckpointError, validate
+
+    try:  # sizes, plain-data entries and checksums (re-reads the checkpoint once)
+        validate(ckpt, verify=True)
+    except CheckpointError as err:
+        raise ExportError(f"{err}; choose another checkpoint in {ckpt.parent}") from None
 
 
 def model_tensor_metadata(ckpt: Path) -> dict[str, tuple[str, Any]]:
@@ -80,7 +86,9 @@ def load_tensors(ckpt: Path, wanted: dict[str, tuple[str, Any]]) -> dict[str, to
     buffers = {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in wanted.values()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(buffers, storage_reader=_reader(ckpt), no_dist=True)
+        from lit_titan.checkpoint.layout import SafeLoadPlanner
+
+        dcp.load(buffers, storage_reader=_reader(ckpt), planner=SafeLoadPlanner(ckpt), no_dist=True)
     return {name: buffers[key] for name, (key, _) in wanted.items()}
 
 

@@ -67,34 +67,43 @@ def build_strategy(cfg: DictConfig):
                          tf32=bool(cfg.get("tf32", True)))
 
 
-def resolve_resume(resume: str | None, run_dir: Path) -> str | None:
+def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] | None = None) -> str | None:
     """The checkpoint to resume from, checked before any process or model is built.
 
     ``auto``: the newest checkpoint in ``<run_dir>/checkpoints`` that passes validation (damaged
     ones are skipped with a message), or a fresh start when there is none: the setting for jobs a
     launcher restarts. ``PATH``: that checkpoint, refused with the reason if it is damaged.
+    The job's rank 0 also verifies the checksums (reading the checkpoint once; the other ranks
+    load the checkpoint rank 0 chose, see ``TitanStrategy.load_checkpoint``). ``expected``: the
+    config keys the checkpoint must have been saved with (``checkpoint.compat``).
     """
     from lit_titan.checkpoint import CheckpointError, latest_valid, published, set_aside, validate
-    from lit_titan.checkpoint.layout import checkpoint_step
+    from lit_titan.checkpoint.compat import check_compatible
+    from lit_titan.checkpoint.layout import CHECKSUMS, checkpoint_step
 
     if not resume:
         return None
     own = run_dir / "checkpoints"
+    verify = is_launcher_rank_zero()
     if str(resume) == "auto":
-        ckpt, skipped = latest_valid(own)
+        ckpt, skipped = latest_valid(own, verify=verify)
         for path, reason in skipped:
             _say(f"skipping damaged checkpoint: {reason}")
             if is_launcher_rank_zero():
                 _say(f"moved it to {set_aside(path)} (kept for inspection; the run will save that step again)")
         _say(f"resume=auto: resuming from {ckpt}" if ckpt else
              f"resume=auto: no complete checkpoint in {run_dir / 'checkpoints'}; starting fresh")
+        if ckpt and not (ckpt / CHECKSUMS).is_file():
+            _say(f"warning: {ckpt} has no {CHECKSUMS} (written by an earlier version): loaded unverified")
+        if ckpt and expected:
+            check_compatible(ckpt, expected)
         return str(ckpt) if ckpt else None
     path = Path(str(resume)).expanduser().resolve()
     if not path.exists():
         raise FileNotFoundError(f"resume={resume} does not exist; point resume= at a checkpoint directory such as "
                                 f"<run_dir>/checkpoints/step-000100, or use resume=auto")
     try:
-        validate(path)
+        validate(path, verify=verify)
     except CheckpointError as err:
         others = [p.name for p in published(path.parent) if p != path]
         hint = f" (other checkpoints there: {', '.join(others[-3:])})" if others else ""
@@ -105,6 +114,10 @@ def resolve_resume(resume: str | None, run_dir: Path) -> str | None:
         raise CheckpointError(f"run_dir {run_dir} already holds checkpoints newer than resume={resume} "
                               f"({', '.join(newer[-3:])}); resume from the newest with resume=auto, or pass a new "
                               f"run_dir= to branch off from this checkpoint")
+    if not (path / CHECKSUMS).is_file():
+        _say(f"warning: {path} has no {CHECKSUMS} (written by an earlier version): loaded unverified")
+    if expected:
+        check_compatible(path, expected)
     return str(path)
 
 
@@ -183,7 +196,10 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     check_run_dir(cfg.run_dir)
     check_inputs(cfg, args.vocab_size)  # data, tokenizer, Float8 hardware: before any rank starts
     run_dir = resolve_run_dir(cfg)
-    resume = resolve_resume(cfg.resume, run_dir)
+    from lit_titan.checkpoint.compat import fingerprint
+
+    run_keys = fingerprint(args, int(cfg.data.seq_len))
+    resume = resolve_resume(cfg.resume, run_dir, run_keys)
     OmegaConf.update(cfg, "run_dir", str(run_dir))
     if is_launcher_rank_zero():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +238,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     if cfg.checkpoint.enabled:
         c = cfg.checkpoint
         all_callbacks.append(Checkpointing(dirpath=str(run_dir / "checkpoints"), every_n_steps=int(c.every_n_steps),
-                                           keep_last=int(c.keep_last), async_save=bool(c.async_save)))
+                                           keep_last=int(c.keep_last), async_save=bool(c.async_save),
+                                           fingerprint=run_keys))
     if cfg.fault.kill_rank is not None:
         all_callbacks.append(FaultInjection(kill_rank=int(cfg.fault.kill_rank), at_step=int(cfg.fault.at_step),
                                             during_save=bool(cfg.fault.during_save),

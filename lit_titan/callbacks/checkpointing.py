@@ -24,13 +24,16 @@ from lit_titan.checkpoint.disk import expected_state, planned_saves
 
 
 class Checkpointing(L.Callback):
-    def __init__(self, dirpath: str, every_n_steps: int = 0, keep_last: int = 3, async_save: bool = True) -> None:
+    def __init__(self, dirpath: str, every_n_steps: int = 0, keep_last: int = 3, async_save: bool = True,
+                 fingerprint: dict[str, Any] | None = None) -> None:
         """
         Args:
             dirpath: where ``step-XXXXXX`` checkpoint directories go (``<run_dir>/checkpoints``).
             every_n_steps: save every N optimizer steps; 0: only at the end of training.
             keep_last: keep the newest K complete checkpoints (0: keep all).
             async_save: write in the background while training continues.
+            fingerprint: the config keys a resume must share (``lit_titan.checkpoint.compat``),
+                stored in every checkpoint's ``meta.pt``.
         """
         if every_n_steps < 0 or keep_last < 0:
             raise ValueError("checkpoint.every_n_steps and checkpoint.keep_last must be >= 0")
@@ -38,6 +41,7 @@ class Checkpointing(L.Callback):
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.async_save = async_save
+        self.fingerprint = dict(fingerprint or {})
         self._last_saved = -1
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -45,6 +49,12 @@ class Checkpointing(L.Callback):
         if writer is None:
             raise TypeError(f"Checkpointing needs lit_titan's TitanStrategy (got {type(trainer.strategy).__name__})")
         writer.async_save, writer.keep_last = self.async_save, self.keep_last
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.fingerprint:
+            from lit_titan.checkpoint.compat import KEY
+
+            checkpoint[KEY] = dict(self.fingerprint)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_saved = trainer.global_step  # a resumed run does not re-save the step it resumed from

@@ -11,9 +11,11 @@ Protocol of one save (every rank calls :meth:`CheckpointWriter.save` at the same
    (:class:`~lit_titan.checkpoint.staging.PinnedStager`; pinned, ``non_blocking`` on CUDA): that
    copy is all the training loop waits for. DCP then writes the shards from a background thread
    while training continues;
-5. DCP's coordinator writes ``.metadata`` only after gathering every rank's write result, so when
-   rank 0's save finishes, every rank has finished: rank 0 then renames the directory to
-   ``step-XXXXXX`` (an atomic rename) and prunes old checkpoints.
+5. each rank's writing thread, after writing its shards, records a CRC-32 of each file it wrote
+   (``checksums/rank-XXXXX.json``); DCP's coordinator writes ``.metadata`` only after gathering
+   every rank's write result, so when rank 0's save finishes, every rank has finished: rank 0 then
+   merges the records into ``checksums.json``, renames the directory to ``step-XXXXXX`` (an
+   atomic rename) and prunes old checkpoints.
 A crash at any point leaves at most a ``.partial`` directory, which ``resume=auto`` ignores.
 
 Failures never hang the other ranks and never cost the previous checkpoint: every step that can
@@ -55,11 +57,14 @@ from lit_titan.checkpoint.layout import (
     RNG_DIR,
     CheckpointError,
     SafeFileSystemReader,
+    SafeLoadPlanner,
+    merge_checksums,
     partial_path,
     prune,
     published,
     rng_file,
     validate,
+    write_checksums,
 )
 from lit_titan.checkpoint.staging import PinnedStager, local_bytes, local_tensors
 
@@ -86,11 +91,13 @@ class SaveRecord:
 class _FileSystemWriter(FileSystemWriter):
     """DCP's file writer, with work done in the writing thread: ``prune`` (the checkpoints that
     make room for this one) before this rank's local plan, so before every rank's write (DCP
-    gathers all local plans first); ``hooks`` just before this rank writes its shards."""
+    gathers all local plans first); ``hooks`` just before this rank writes its shards; after them,
+    the CRC-32 of every file this rank wrote (also off the training loop: in an async save this is
+    the background thread, and DCP gathers its errors like a write error)."""
 
-    def __init__(self, path: Path, hooks: list[WriteHook], prune: list[Path]) -> None:
+    def __init__(self, path: Path, hooks: list[WriteHook], prune: list[Path], rank: int) -> None:
         super().__init__(str(path))
-        self._staging, self._hooks, self._prune = path, list(hooks), list(prune)
+        self._staging, self._hooks, self._prune, self._rank = path, list(hooks), list(prune), rank
 
     def prepare_local_plan(self, plan: Any) -> Any:
         disk.remove(self._prune)  # deleting GBs of files takes seconds on some filesystems: not in the training loop
@@ -99,7 +106,13 @@ class _FileSystemWriter(FileSystemWriter):
     def write_data(self, plan: Any, planner: Any) -> Any:
         for hook in self._hooks:  # fault drills raise OSError(ENOSPC) here, as a full disk would
             hook(self._staging)
-        return super().write_data(plan, planner)
+        written = super().write_data(plan, planner)
+        files = {self._staging / str(result.storage_data.relative_path) for result in written.wait()}
+        files.add(rng_file(self._staging, self._rank))
+        if (self._staging / META_FILE).is_file() and self._rank == 0:
+            files.add(self._staging / META_FILE)
+        write_checksums(self._staging, self._rank, sorted(files))
+        return written
 
 
 class _AlreadyStaged(AsyncStager):
@@ -221,7 +234,7 @@ class CheckpointWriter:
         prepared = time.perf_counter()
         import torch.distributed.checkpoint as dcp
 
-        writer = _FileSystemWriter(staging, self.on_write_data, to_prune)
+        writer = _FileSystemWriter(staging, self.on_write_data, to_prune, rank)
         group = self.process_group()
         record = SaveRecord(final.name, mine, total, 0, 0.0, 0.0, prepare_s=prepared - start)
         finished: Future = Future()
@@ -315,6 +328,7 @@ class CheckpointWriter:
 
     def _publish(self, staging: Path, final: Path) -> None:
         try:
+            merge_checksums(staging)
             validate(staging, staged=True)
         except CheckpointError as err:
             raise CheckpointError(f"the written checkpoint failed validation: {err}") from None
@@ -401,14 +415,14 @@ def load_sharded(model: nn.Module, optimizers: list[torch.optim.Optimizer], ckpt
 
     from lit_titan.optim import keep_kernel_choice
 
-    validate(ckpt)
+    validate(ckpt)  # cheap checks; the checksums were verified once, before the processes started
     model_state = {"state_dict": get_model_state_dict(model)}
-    dcp.load(model_state, storage_reader=SafeFileSystemReader(str(ckpt)))
+    _load(dcp, model_state, ckpt)
     set_model_state_dict(model, model_state["state_dict"])
     for idx, optimizer in enumerate(optimizers):
         key = f"optimizer_{idx}"
         optim_state = {key: get_optimizer_state_dict(model, optimizer)}
-        dcp.load(optim_state, storage_reader=SafeFileSystemReader(str(ckpt)))
+        _load(dcp, optim_state, ckpt)
         keep_kernel_choice(optim_state[key], optimizer)  # fused/foreach: this process's, not the saver's
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key])
     meta = torch.load(ckpt / META_FILE, weights_only=True, map_location="cpu")
@@ -418,3 +432,17 @@ def load_sharded(model: nn.Module, optimizers: list[torch.optim.Optimizer], ckpt
         if rng.get("world_size") == world_size:
             restore_rng(rng)
     return meta
+
+
+def _load(dcp: Any, state: dict[str, Any], ckpt: Path) -> None:
+    """``dcp.load`` through the safe reader and planner; a refused entry stays one line."""
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=SafeLoadPlanner(ckpt))
+    except CheckpointException as err:  # DCP wraps every rank's error, with its traceback
+        _, cause = _root_cause(err)
+        if isinstance(cause, CheckpointError):
+            raise CheckpointError(str(cause)) from None
+        if isinstance(cause, ValueError) and "mismatch" in str(cause):  # an older checkpoint: no recorded config
+            raise CheckpointError(f"{ckpt} was saved for another model ({_one_line(cause)}); resume with the model "
+                                  "config it was trained with, or start a new run_dir without resume") from None
+        raise
