@@ -73,9 +73,10 @@ def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] |
     ``auto``: the newest checkpoint in ``<run_dir>/checkpoints`` that passes validation (damaged
     ones are skipped with a message), or a fresh start when there is none: the setting for jobs a
     launcher restarts. ``PATH``: that checkpoint, refused with the reason if it is damaged.
-    The job's rank 0 also verifies the checksums (reading the checkpoint once; the other ranks
-    load the checkpoint rank 0 chose, see ``TitanStrategy.load_checkpoint``). ``expected``: the
-    config keys the checkpoint must have been saved with (``checkpoint.compat``).
+    Every process also verifies the checksums (reads the chosen checkpoint once; on one node the
+    page cache shares the reads): each rank must reach the same verdict on its own, as torchrun's
+    ranks decide at the same time and a rank that resumed while another started fresh would hang.
+    ``expected``: the config keys the checkpoint must have been saved with (``checkpoint.compat``).
     """
     from lit_titan.checkpoint import CheckpointError, latest_valid, published, set_aside, validate
     from lit_titan.checkpoint.compat import check_compatible
@@ -84,7 +85,7 @@ def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] |
     if not resume:
         return None
     own = run_dir / "checkpoints"
-    verify = is_launcher_rank_zero()
+    verify = True
     if str(resume) == "auto":
         ckpt, skipped = latest_valid(own, verify=verify)
         for path, reason in skipped:

@@ -40,7 +40,10 @@ class Job:
     """A started ``run_job``: ``wait`` collects it once (and kills what it left behind)."""
 
     def __init__(self, cmd: list[str], env: dict | None, cwd: Path | str | None) -> None:
-        job_env = {k: v for k, v in (env or os.environ).items() if k not in _JOB_ENV_DROP}
+        # HYDRA_FULL_ERROR=1 in the user's shell turns one-line errors into tracebacks: a test that
+        # wants it passes env itself.
+        drop = _JOB_ENV_DROP if env is not None else (*_JOB_ENV_DROP, "HYDRA_FULL_ERROR")
+        job_env = {k: v for k, v in (env or os.environ).items() if k not in drop}
         self.cmd = cmd
         self._popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env,
                                        cwd=cwd, start_new_session=True)

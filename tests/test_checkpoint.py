@@ -4,6 +4,7 @@ restart after a rank dies (also mid-save); damaged checkpoints refused, the prev
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -58,17 +59,27 @@ def test_resume_into_another_layout(reference, tmp_path, layout, worlds):
     assert_losses_match(losses(tmp_path), losses(reference)[EVERY:], rtol=1e-5)
 
 
-def test_resume_auto_skips_a_damaged_checkpoint(reference, tmp_path, worlds):
+def test_resume_auto_skips_damaged_and_tampered_checkpoints(reference, tmp_path, worlds):
+    """Newest first: a pickle payload in a non-tensor entry (checksums rewritten to match, as an
+    attacker would), then flipped bytes in a shard; both set aside, never run; the run resumes from
+    the one before and its losses continue the uninterrupted run's."""
     ckpts = tmp_path / "checkpoints"
     for step in ("step-000010", "step-000020"):
         shutil.copytree(reference / "checkpoints" / step, ckpts / step)
-    _truncate_a_shard(ckpts / "step-000020")
+    shutil.copytree(ckpts / "step-000020", ckpts / "step-000015")
+    marker = tmp_path / "payload-ran"
+    _tamper_an_entry(ckpts / "step-000020", marker)
+    _flip_a_byte(ckpts / "step-000015")
     proc = worlds.train([*COMMON, "cluster.devices=2", "resume=auto"], tmp_path)
     assert "skipping damaged checkpoint" in proc.stderr and "resuming from" in proc.stderr
+    assert "entry optimizer_0.param_groups.0.params holds more than tensors and plain data" in proc.stderr
+    assert "__0_0.distcp does not match its checksum" in proc.stderr
     assert f"{ckpts / 'step-000010'}" in proc.stderr
     assert_losses_match(losses(tmp_path), losses(reference)[EVERY:], rtol=1e-5)
-    assert (ckpts / "step-000020.damaged").is_dir()  # kept for inspection, never deleted
-    validate(ckpts / "step-000020")  # the step was saved again, complete
+    for step in ("step-000015", "step-000020"):
+        assert (ckpts / f"{step}.damaged").is_dir()  # kept for inspection, never deleted
+    validate(ckpts / "step-000020", verify=True)  # the step was saved again, complete, with checksums
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("fault", [["fault.at_step=13"], ["fault.at_step=10", "fault.during_save=true"]],
@@ -105,9 +116,48 @@ def _truncate_a_shard(ckpt: Path) -> None:
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
 
 
+def _flip_a_byte(ckpt: Path) -> None:
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
 class _Exploit:
+    def __init__(self, marker: Path | None = None) -> None:
+        self.marker = marker or _Exploit.marker
+
     def __reduce__(self):
-        return (os.system, (f"touch {_Exploit.marker}",))
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _tamper_an_entry(ckpt: Path, marker: Path) -> str:
+    """Replace the largest non-tensor entry (the param-group's parameter names) by a torch.save'd
+    pickle that runs ``touch marker`` when loaded with weights_only=False (DCP's default), padded to
+    the entry's length so .metadata stays valid; checksums.json updated to match."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from lit_titan.checkpoint.layout import CHECKSUMS, file_crc32, read_dcp_metadata
+
+    metadata = read_dcp_metadata(ckpt)
+    index, info = max(((i, s) for i, s in metadata.storage_data.items()
+                       if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata)),
+                      key=lambda item: item[1].length)
+    buf = io.BytesIO()
+    torch.save(_Exploit(marker), buf, _use_new_zipfile_serialization=False)  # the legacy format reads past padding
+    payload = buf.getvalue()
+    assert len(payload) <= info.length, (len(payload), info.length)
+    shard = ckpt / str(info.relative_path)
+    data = bytearray(shard.read_bytes())
+    data[info.offset:info.offset + info.length] = payload.ljust(info.length, b"\0")
+    shard.write_bytes(bytes(data))
+    record = json.loads((ckpt / CHECKSUMS).read_text())
+    record["files"][str(info.relative_path)] = file_crc32(shard)
+    (ckpt / CHECKSUMS).write_text(json.dumps(record))
+    return index.fqn
 
 
 def test_damaged_checkpoints_are_refused_and_the_previous_one_used(reference, tmp_path):
@@ -132,6 +182,52 @@ def test_damaged_checkpoints_are_refused_and_the_previous_one_used(reference, tm
         validate(ckpts / "step-000010")
 
 
+def test_no_entry_is_unpickled_and_every_file_is_checksummed(reference, tmp_path):
+    """The load itself (not only validate) reads non-tensor entries as plain data; flipped bytes are
+    named by file; a checkpoint without checksums (an earlier version's) still validates."""
+    import torch.distributed.checkpoint as dcp
+
+    from lit_titan.checkpoint.layout import CHECKSUMS
+    from lit_titan.checkpoint.writer import _load
+    from lit_titan.train import resolve_resume
+
+    ckpts = _copy(reference, tmp_path)
+    ckpt = ckpts / "step-000020"
+    files = json.loads((ckpt / CHECKSUMS).read_text())["files"]
+    assert sorted(files) == sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")
+                                   if p.is_file() and p.name != CHECKSUMS)  # every file, every rank's
+    marker = tmp_path / "payload-ran"
+    entry = _tamper_an_entry(ckpt, marker)
+    state = {"optimizer_0": {"param_groups": [{"params": []}]}}  # just that entry
+    with pytest.raises(CheckpointError, match=f"entry {entry} holds more than tensors and plain data.*GLOBAL posix"):
+        _load(dcp, state, ckpt)
+    assert not marker.exists()
+    _flip_a_byte(ckpts / "step-000010")
+    validate(ckpts / "step-000010")  # the cheap checks cannot see it
+    with pytest.raises(CheckpointError, match=r"resume=.* cannot be used: .*step-000010/__0_0.distcp does not match "
+                                              r"its checksum"):
+        resolve_resume(str(ckpts / "step-000010"), tmp_path / "run")
+    (ckpts / "step-000010" / CHECKSUMS).unlink()
+    assert resolve_resume(str(ckpts / "step-000010"), tmp_path / "run2") == str(ckpts / "step-000010")
+
+
+@pytest.mark.parametrize("override", [("model.dim", 128), ("model.vocab_size", 1024), ("data.seq_len", 64)])
+def test_resume_of_another_model_is_refused_naming_the_key(reference, tmp_path, override):
+    from lit_titan.checkpoint.compat import fingerprint
+    from lit_titan.models.llama3 import ModelArgs
+    from lit_titan.train import resolve_resume
+
+    ckpt = reference / "checkpoints" / "step-000010"
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512)
+    same = fingerprint(args, 32)
+    assert resolve_resume(str(ckpt), tmp_path, same) == str(ckpt)
+    key, value = override
+    other = {**same, key: value}
+    with pytest.raises(CheckpointError, match=f"^{key}={value}: the checkpoint step-000010 .* was saved with "
+                                              f"{key}={same[key]}; resume with {key}={same[key]}"):
+        resolve_resume(str(ckpt), tmp_path, other)
+
+
 def test_prune_keeps_the_newest_k_and_only_old_partials(tmp_path):
     for name in ("step-000001", "step-000002", "step-000003", "step-000001.partial", "step-000004.partial"):
         (tmp_path / name).mkdir()
@@ -154,15 +250,23 @@ def test_damaged_resume_path_is_refused_with_the_reason(reference, tmp_path, mak
         resolve_resume(str(ckpt), tmp_path / "run")
 
 
-@pytest.mark.parametrize("make", ["missing", "newer-exist"])
+@pytest.mark.parametrize("make", ["missing", "newer-exist", "tampered"])
 def test_bad_resume_is_refused_before_training(reference, tmp_path, make):
-    """Through the command line: one error line, exit 2, nothing started."""
+    """Through the command line: one error line, exit 2, nothing started, no payload run."""
     ckpt = tmp_path / "step-000004"
     run_dir = tmp_path / "run"
+    marker = tmp_path / "payload-ran"
     if make == "newer-exist":  # resuming an old step into a run that has newer ones would overwrite them
         ckpt = _copy(reference, run_dir) / "step-000010"
+    elif make == "tampered":
+        ckpt = _copy(reference, tmp_path) / "step-000020"
+        _tamper_an_entry(ckpt, marker)
     proc = run_cli([*COMMON, f"resume={ckpt}"], run_dir, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "lit-titan: error: resume=" in proc.stderr or "lit-titan: error: run_dir" in proc.stderr
     assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lit-titan: error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    if make == "tampered":
+        assert "entry optimizer_0.param_groups.0.params holds more than tensors and plain data" in errors[0]
+    assert not marker.exists()
     assert not (run_dir / "metrics.csv").exists()  # nothing started

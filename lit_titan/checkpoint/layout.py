@@ -211,9 +211,11 @@ def verify_checksums(ckpt: Path) -> bool:
         path = ckpt / name
         if not path.resolve().is_relative_to(ckpt.resolve()):
             raise CheckpointError(f"{ckpt}/{CHECKSUMS} names a file outside the checkpoint ({name})")
-        if not path.is_file():
-            raise CheckpointError(f"{ckpt} is missing the file {name}")
-        if file_crc32(path) != expected:
+        try:
+            actual = file_crc32(path)
+        except OSError as err:  # missing, or set aside by another process of this job meanwhile
+            raise CheckpointError(f"{ckpt}/{name} cannot be read ({_first_line(err)})") from None
+        if actual != expected:
             raise CheckpointError(f"{ckpt}/{name} does not match its checksum (the file changed after it was "
                                   "written: storage corruption or an edit)")
     return True
@@ -251,13 +253,13 @@ def validate(ckpt: Path, *, staged: bool = False, verify: bool = False) -> None:
         if info.offset + info.length > sizes[name]:
             raise CheckpointError(f"{ckpt}/{name} is truncated ({sizes[name]} bytes, the metadata needs "
                                   f"{info.offset + info.length})")
+    if verify:  # before reading any entry: a flipped bit is named as such, not as a bad entry
+        verify_checksums(ckpt)
     _check_plain_entries(ckpt, metadata)
     try:
         torch.load(ckpt / META_FILE, weights_only=True, map_location="cpu")
     except Exception as err:
         raise CheckpointError(f"{ckpt}/{META_FILE} is corrupt ({type(err).__name__}: {err})") from None
-    if verify:
-        verify_checksums(ckpt)
 
 
 def _check_plain_entries(ckpt: Path, metadata: dcp_metadata.Metadata) -> None:
