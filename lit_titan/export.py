@@ -56,10 +56,11 @@ def check_checkpoint(ckpt: Path) -> None:
     if not (ckpt / ".metadata").is_file():
         raise ExportError(f"{ckpt} is not a complete checkpoint (no .metadata: the save was interrupted?); "
                           f"choose another checkpoint in {ckpt.parent}")
-    from lit_titan.checkpoint import CheckpointError, validate
+    from lit_titan.checkpoint import CheckpointError
+    from lit_titan.checkpoint.layout import verify_checksums
 
-    try:  # sizes, plain-data entries and checksums (re-reads the checkpoint once)
-        validate(ckpt, verify=True)
+    try:  # when the checkpoint has checksums.json (re-reads it once); entries are read by SafeLoadPlanner
+        verify_checksums(ckpt)
     except CheckpointError as err:
         raise ExportError(f"{err}; choose another checkpoint in {ckpt.parent}") from None
 

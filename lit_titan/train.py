@@ -85,9 +85,8 @@ def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] |
     if not resume:
         return None
     own = run_dir / "checkpoints"
-    verify = True
     if str(resume) == "auto":
-        ckpt, skipped = latest_valid(own, verify=verify)
+        ckpt, skipped = latest_valid(own, verify=True)
         for path, reason in skipped:
             _say(f"skipping damaged checkpoint: {reason}")
             if is_launcher_rank_zero():
@@ -104,7 +103,7 @@ def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] |
         raise FileNotFoundError(f"resume={resume} does not exist; point resume= at a checkpoint directory such as "
                                 f"<run_dir>/checkpoints/step-000100, or use resume=auto")
     try:
-        validate(path, verify=verify)
+        validate(path, verify=True)
     except CheckpointError as err:
         others = [p.name for p in published(path.parent) if p != path]
         hint = f" (other checkpoints there: {', '.join(others[-3:])})" if others else ""
