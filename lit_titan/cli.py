@@ -26,6 +26,9 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
                     rank_failures: bool = False) -> None:
     """Run an entry point's ``main``; an error in the user's input is one line and exit code 2.
 
+    An exception with an ``exit_code`` (a stop every rank decided on, e.g. ``NonFiniteError``) is
+    one line and that code.
+
     ``rank_failures``: in a job of several processes, any other exception is one line naming the rank
     and the file holding its traceback (``report_rank_failure``), exit code 1. ``HYDRA_FULL_ERROR=1``
     (Hydra's own switch) shows the traceback instead.
@@ -38,6 +41,10 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
         report_user_error(err)
         _exit(2, rank_failures)
     except Exception as err:  # noqa: BLE001 - a runtime failure (OOM, collective timeout, I/O) on some rank
+        code = getattr(err, "exit_code", None)  # a stop the run decided on (lit_titan.errors.NonFiniteError)
+        if isinstance(code, int) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+            report_user_error(err)
+            _exit(code, rank_failures)
         if not rank_failures or os.environ.get("HYDRA_FULL_ERROR") == "1" or job_rank() is None:
             raise  # one process: the traceback, as Python prints it
         report_rank_failure(err)
