@@ -256,3 +256,71 @@ def test_nonfinite_skip_stops_after_max_consecutive_skips(tmp_path):
     assert guard.skipped_at == [1, 2]
     with pytest.raises(ValueError, match="skip"):
         NonFiniteGuard(action="ignore")
+
+
+# ---- a diverging run: stopped before the update, and no non-finite checkpoint ------------------
+DIVERGE = [*TINY, "cluster.devices=2", "seed=0", "precision=32-true", "optim.lr=1000", "trainer.max_steps=12",
+           "checkpoint.every_n_steps=1", "checkpoint.keep_last=2"]
+
+
+def _checkpoints_finite(ckpts: Path, tmp_path: Path) -> list[str]:
+    """The published checkpoints, each checked to load with every tensor finite."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lit_titan.checkpoint import published, validate
+    from lit_titan.checkpoint.staging import local_tensors
+
+    names = []
+    for ckpt in published(ckpts):
+        validate(ckpt)
+        dcp_to_torch_save(ckpt, tmp_path / f"{ckpt.name}.pt")
+        state = torch.load(tmp_path / f"{ckpt.name}.pt", weights_only=True)
+        tensors = [t for _, t in local_tensors(state) if t.is_floating_point()]
+        assert tensors and all(torch.isfinite(t).all() for t in tensors), ckpt
+        names.append(ckpt.name)
+    assert not list(ckpts.glob("*.partial")), sorted(p.name for p in ckpts.iterdir())
+    return names
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_before_the_update_and_never_publishes_a_nonfinite_checkpoint(tmp_path, worlds):
+    """optim.lr=1000 with a checkpoint every step, keep_last=2, two ranks.
+
+    Guard on (the default): the run stops at the first non-finite step, before its update, with one
+    line naming the step and the value; the two newest checkpoints are the steps just before it, finite.
+    Guard off: the updates turn the state NaN, and the save-time check refuses the first such save on
+    every rank before it prunes anything: the two good checkpoints before it stay.
+    """
+    guarded = worlds.run(2, "scripts.nonfinite_run:main", [*DIVERGE, f"run_dir={tmp_path / 'guard'}"]).value
+    line = guarded["stopped"]
+    assert line and line.startswith("non-finite ") and "\n" not in line, line
+    step = int(line.split(" at optimizer step ")[1].split(":")[0])
+    assert "stopped before the update" in line and ("loss nan" in line or "grad norm nan" in line), line
+    # every step before `step` was saved (the last one at `step`: the state before the bad update)
+    assert _checkpoints_finite(tmp_path / "guard" / "checkpoints", tmp_path) == [
+        f"step-{step - 1:06d}", f"step-{step:06d}"]
+
+    unguarded = worlds.run(2, "scripts.nonfinite_run:main",
+                           [*DIVERGE, "nonfinite.enabled=false", f"run_dir={tmp_path / 'off'}"]).value
+    line = unguarded["stopped"]
+    assert line and "not written: the state is not finite" in line and "nothing was pruned" in line, line
+    refused = int(line.split("checkpoint step-")[1].split(" ")[0])
+    assert refused > step  # the guard stopped earlier than the NaN state reached a save
+    assert _checkpoints_finite(tmp_path / "off" / "checkpoints", tmp_path) == [
+        f"step-{refused - 2:06d}", f"step-{refused - 1:06d}"]
+
+
+def test_nonfinite_error_is_one_line_and_exit_code_3(capsys):
+    """The command line's handling of the guard's stop: one line on stderr, exit code 3, no traceback."""
+    from lit_titan.cli import run_entry_point
+    from lit_titan.errors import NONFINITE_EXIT_CODE
+    from lit_titan.train import USER_ERRORS
+
+    def stopped() -> None:
+        raise NonFiniteError("non-finite loss nan at optimizer step 6: stopped before the update")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_entry_point(stopped, USER_ERRORS, rank_failures=True)
+    assert exit_.value.code == NONFINITE_EXIT_CODE == 3
+    err = capsys.readouterr().err
+    assert err == "lit-titan: error: non-finite loss nan at optimizer step 6: stopped before the update\n", err

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from lit_titan.checkpoint import disk
+from lit_titan.checkpoint.finite import first_nonfinite
 from lit_titan.checkpoint.layout import (
     META_FILE,
     RNG_DIR,
@@ -62,6 +63,7 @@ from lit_titan.checkpoint.layout import (
     validate,
 )
 from lit_titan.checkpoint.staging import PinnedStager, local_bytes, local_tensors
+from lit_titan.errors import NonFiniteError
 
 WriteHook = Callable[[Path], None]
 # DCP raises CheckpointException, a BaseException (not an Exception) subclass, for a failed write.
@@ -193,7 +195,10 @@ class CheckpointWriter:
         start = time.perf_counter()
         staging = partial_path(final)
         mine = local_bytes(state)
-        total, count = (sum(x) for x in zip(*self._gather((mine, sum(1 for _ in local_tensors(state))))))
+        # with the sizes' gather, each rank's first NaN/Inf tensor: refused before anything is pruned or written
+        sizes = self._gather((mine, sum(1 for _ in local_tensors(state)), first_nonfinite(state)))
+        total, count = sum(x[0] for x in sizes), sum(x[1] for x in sizes)
+        _refuse_nonfinite(final, [x[2] for x in sizes])
         need = disk.checkpoint_disk_bytes(total, count, world_size)
         error, to_prune = None, []
         if rank == 0:
@@ -321,6 +326,18 @@ class CheckpointWriter:
         staging.rename(final)
         _fsync_dir(final.parent)
         prune(final.parent, self.keep_last)
+
+
+def _refuse_nonfinite(final: Path, bad: list[str | None]) -> None:
+    """Raise ``NonFiniteError`` on every rank (they all see the same gathered list) if any rank's state is not finite."""
+    ranks = [r for r, key in enumerate(bad) if key]
+    if not ranks:
+        return
+    previous = published(final.parent)
+    kept = f"every complete checkpoint is kept (newest {previous[-1].name})" if previous else "no earlier checkpoint"
+    raise NonFiniteError(f"checkpoint {final.name} not written: the state is not finite ({bad[ranks[0]]} holds NaN/Inf "
+                         f"on rank {ranks[0]}{f' and {len(ranks) - 1} more' if len(ranks) > 1 else ''}); nothing was "
+                         f"pruned, {kept}; resume=auto from it with a lower optim.lr, and keep nonfinite.enabled=true")
 
 
 def _root_cause(err: BaseException) -> tuple[int | None, BaseException]:
