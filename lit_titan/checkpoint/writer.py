@@ -31,6 +31,7 @@ a CPU-capable group, works whatever the default backend is (NCCL on GPUs; no
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -64,6 +65,7 @@ from lit_titan.checkpoint.layout import (
 )
 from lit_titan.checkpoint.staging import PinnedStager, local_bytes, local_tensors
 from lit_titan.errors import NonFiniteError
+from lit_titan.peer_exit import is_peer_failure
 
 WriteHook = Callable[[Path], None]
 # DCP raises CheckpointException, a BaseException (not an Exception) subclass, for a failed write.
@@ -268,15 +270,15 @@ class CheckpointWriter:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        error = None
+        error, err = None, None
         try:
             pending.finished.result()
-        except _SAVE_ERRORS as err:
-            error = self._failure(err, pending.final, pending.need, "could not be written")
+        except _SAVE_ERRORS as caught:
+            error, err = self._failure(caught, pending.final, pending.need, "could not be written"), caught
         if agree:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self._agree(error, rank=rank, cleanup=pending.staging)
-        elif error:
+        elif error and not is_peer_failure(_root_cause(err)[1]):  # a dead peer: the command line's one line says it
             print(f"lit-titan: {error}", file=sys.stderr)
 
     def _finish(self, upload: Future, finished: Future, staging: Path, final: Path, rank: int,
@@ -296,12 +298,21 @@ class CheckpointWriter:
         failed_rank, cause = _root_cause(err)
         who = failed_rank if failed_rank is not None else rank
         where = f" on rank {who}" if who is not None else ""
-        try:
-            free = f"{disk.fmt(disk.free_bytes(final.parent))} free in {final.parent}"
-        except OSError:
-            free = f"free space in {final.parent} unknown"
         previous = published(final.parent)
         kept = f"the previous complete checkpoint {previous[-1].name} is kept" if previous else "no earlier checkpoint"
+        if is_peer_failure(cause):  # a rank's process ended: not a disk problem
+            return f"checkpoint {final.name} {what}: a peer rank's process ended during the save; {kept}"
+        try:
+            free_bytes = disk.free_bytes(final.parent)
+            free = f"{disk.fmt(free_bytes)} free in {final.parent}"
+        except OSError:
+            free_bytes, free = None, f"free space in {final.parent} unknown"
+        # the disk's advice only for a disk error (or a write error with less free space than the checkpoint needs:
+        # torch.save's RuntimeError on a full disk carries no errno)
+        disk_full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+            not isinstance(cause, OSError) and free_bytes is not None and free_bytes < need)
+        if not disk_full:
+            return f"checkpoint {final.name} {what}{where} ({_one_line(cause)}); {kept}"
         return (f"checkpoint {final.name} {what}{where} ({_one_line(cause)}); it needs {disk.fmt(need)}, {free}; "
                 f"{kept}; {disk.SETTINGS_HINT}")
 
