@@ -26,6 +26,9 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
                     rank_failures: bool = False) -> None:
     """Run an entry point's ``main``; an error in the user's input is one line and exit code 2.
 
+    An exception with an ``exit_code`` (a stop every rank decided on, e.g. ``NonFiniteError``) is
+    one line and that code.
+
     ``rank_failures``: in a job of several processes, any other exception is one line naming the rank
     and the file holding its traceback (``report_rank_failure``), exit code 1. ``HYDRA_FULL_ERROR=1``
     (Hydra's own switch) shows the traceback instead.
@@ -38,6 +41,13 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
         report_user_error(err)
         _exit(2, rank_failures)
     except Exception as err:  # noqa: BLE001 - a runtime failure (OOM, collective timeout, I/O) on some rank
+        code = getattr(err, "exit_code", None)  # a stop the run decided on (lit_titan.errors.NonFiniteError)
+        if isinstance(code, int) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+            report_user_error(err)
+            _exit(code, rank_failures)
+        if rank_failures and _is_peer_failure(err) and os.environ.get("HYDRA_FULL_ERROR") != "1" and is_rank_of_a_job():
+            report_peer_failure()  # a peer's process ended: name it, not this rank's collective that failed
+            _exit(1, rank_failures)
         if not rank_failures or os.environ.get("HYDRA_FULL_ERROR") == "1" or job_rank() is None:
             raise  # one process: the traceback, as Python prints it
         report_rank_failure(err)
@@ -125,12 +135,32 @@ def report_rank_failure(err: BaseException) -> Path:
     return path
 
 
-# What a collective raises on the ranks left when a peer dies (gloo; NCCL reports its peer's abort).
-_PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "NCCL communicator was aborted")
-
-
 def _is_peer_failure(err: BaseException) -> bool:
-    return any(text in str(err) for text in _PEER_GONE)
+    from lit_titan.peer_exit import is_peer_failure
+
+    return is_peer_failure(err)
+
+
+def report_peer_failure() -> None:
+    """One line when this rank failed only because a peer's process ended (``lit_titan.peer_exit``).
+
+    Printed by rank 0 (or, in a two-rank job, by the survivor of rank 0): under Lightning's launcher
+    rank 0 holds the other ranks' processes and names the rank and the signal. Quiet when the peer
+    ended on an error of its own, which it reported in its own line.
+    """
+    from lit_titan import peer_exit
+
+    rank = peer_exit.this_rank()
+    run_dir = os.environ.get("LIT_TITAN_RUN_DIR")
+    log_dir = Path(run_dir) / "logs" if run_dir else Path(tempfile.gettempdir()) / "lit-titan-logs"
+    ended = peer_exit.ended_children()
+    if all(code > 0 for _, code in ended) and _another_rank_reported(log_dir, rank, wait_s=1.0 if ended else 3.0):
+        return  # the rank that failed in Python printed its own line (report_rank_failure)
+    if rank != 0 and not (peer_exit.world_size() == 2 and not ended):
+        return  # rank 0 says it (a survivor of a two-rank job whose peer was rank 0 says it too)
+    print(f"lit-titan: error: {peer_exit.describe(ended)}{peer_exit.checkpoints_state(run_dir)}; continue with "
+          f"resume=auto (torchrun --max-restarts restarts it by itself; HYDRA_FULL_ERROR=1 shows this rank's "
+          f"traceback)", file=sys.stderr, flush=True)
 
 
 def _another_rank_reported(log_dir: Path, rank: int, wait_s: float = 3.0) -> bool:

@@ -37,7 +37,7 @@ ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 LAUNCHERS = ("torchrun", "srun")
 AC_MODES = ("none", "full", "selective_op", "selective_layer")
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-NONFINITE_ACTIONS = ("skip", "stop")
+NONFINITE_ACTIONS = ("stop", "skip_step")
 OPTIMIZERS = ("adamw", "lamb")
 
 
@@ -239,6 +239,13 @@ class CheckpointSchema:
 
 
 @dataclass
+class NonFiniteSchema:  # the non-finite guard (lit_titan/callbacks/nonfinite.py), a top-level group
+    enabled: bool = key()
+    action: str = key(choices=NONFINITE_ACTIONS)
+    max_consecutive_skips: int = key(ge=1)
+
+
+@dataclass
 class FaultSchema:
     kill_rank: Optional[int] = key(ge=0)
     at_step: Optional[int] = key(ge=1)
@@ -273,6 +280,7 @@ class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydr
     loss: LossSchema = field(default_factory=LossSchema)
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+    nonfinite: NonFiniteSchema = field(default_factory=NonFiniteSchema)
     fault: FaultSchema = field(default_factory=FaultSchema)
     preflight: PreflightSchema = field(default_factory=PreflightSchema)
     # _target_ nodes: each checked against TARGET_SCHEMAS[its _target_] (lit_titan.schema_check)
@@ -309,15 +317,6 @@ class Float8Schema:
     min_dim: int = key(ge=1)
     auto_filter_small_kn: bool = key()
     float8_tp: bool = key()
-
-
-@dataclass
-class NonFiniteSchema:
-    _target_: str = key()
-    action: str = key(choices=NONFINITE_ACTIONS)
-    max_consecutive_skips: int = key(ge=1)
-    check_loss: bool = key()
-    check_grads: bool = key()
 
 
 @dataclass
@@ -399,7 +398,6 @@ TARGET_SCHEMAS: dict[str, type] = {
     "lit_titan.callbacks.ActivationCheckpointing": ActivationCheckpointingSchema,
     "lit_titan.callbacks.Compile": CompileSchema,
     "lit_titan.callbacks.Float8": Float8Schema,
-    "lit_titan.callbacks.NonFiniteGuard": NonFiniteSchema,
     "lit_titan.callbacks.Profiler": ProfilerCallbackSchema,
     "lit_titan.callbacks.StragglerReport": StragglerSchema,
     "lit_titan.callbacks.ThroughputMonitor": ThroughputSchema,

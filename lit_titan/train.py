@@ -235,6 +235,12 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
                                           slow_factor=float(cfg.fault.get("slow_factor", 4.0)),
                                           slow_link=cfg.fault.get("slow_link"),
                                           only=bool(cfg.preflight.get("only", False))))
+    guard = cfg.get("nonfinite") or {}
+    if guard.get("enabled", True):  # before Checkpointing: a step's update is decided before its save
+        from lit_titan.callbacks import NonFiniteGuard
+
+        all_callbacks.append(NonFiniteGuard(action=str(guard.get("action", "stop")),
+                                            max_consecutive_skips=int(guard.get("max_consecutive_skips", 5))))
     if cfg.checkpoint.enabled:
         c = cfg.checkpoint
         all_callbacks.append(Checkpointing(dirpath=str(run_dir / "checkpoints"), every_n_steps=int(c.every_n_steps),

@@ -93,6 +93,12 @@ def test_torchrun_restarts_a_killed_rank_and_resumes(reference, tmp_path, fault)
     proc = run_job(cmd, timeout=400)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "fault injection: killing rank 1" in proc.stderr, proc.stderr[-5000:]
+    # Under torchrun the agent names the dead rank and its signal in one line (and stops the survivor at
+    # once with SIGTERM); nothing blames the disk, no traceback. Lightning's launcher: the survivor's line,
+    # test_gpu_path_checkpoint.py::test_a_rank_killed_during_a_save_is_named_with_its_signal_in_one_line.
+    assert "failed (exitcode: -9) local_rank: 1" in proc.stderr, proc.stderr[-5000:]
+    assert "free space" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-5000:]
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("lit-titan: error:")], proc.stderr[-5000:]
     # Killed after step 13 (checkpoint 10 published) or while saving step 10 (never published: 5 is newest).
     resumed_from = 10 if "fault.at_step=13" in fault else 5
     assert f"resuming from {tmp_path / 'checkpoints' / f'step-{resumed_from:06d}'}" in proc.stderr, proc.stderr[-5000:]

@@ -152,7 +152,7 @@ def test_straggler_report_and_nonfinite_skip_in_a_two_process_run(tmp_path):
     parameter shard and optimizer state untouched while step 4 changed them, and training finishes.
     """
     proc = run_job([sys.executable, str(SCRIPTS / "fault_job.py"), "straggle", *TWO_RANKS, "trainer.max_steps=8",
-                    "callbacks=[straggler,nonfinite,timeline]", "callbacks.straggler.every_n_steps=4",
+                    "callbacks=[straggler,timeline]", "nonfinite.action=skip_step", "callbacks.straggler.every_n_steps=4",
                     f"run_dir={tmp_path}"], timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(tmp_path)
@@ -169,7 +169,7 @@ def test_straggler_report_and_nonfinite_skip_in_a_two_process_run(tmp_path):
     skipped = [float(r["train/skipped_steps"]) for r in rows if r.get("train/skipped_steps")]
     assert skipped == [0.0] * 5 + [1.0] * 3
     assert [r["train/grad_norm"] for r in rows if r.get("train/grad_norm")][5] == "nan"
-    assert "NonFiniteGuard skipped optimizer step 5: non-finite gradient (global grad norm) on 1 of 2 ranks" in (
+    assert "NonFiniteGuard skipped optimizer step 5: non-finite grad norm nan" in (
         proc.stdout + proc.stderr)
     for rank in (0, 1):
         check = json.loads((tmp_path / f"skipcheck-rank{rank}.json").read_text())
@@ -221,7 +221,7 @@ def _fit(tmp_path: Path, module: L.LightningModule, guard: NonFiniteGuard, steps
 
 
 def test_nonfinite_skip_leaves_weights_and_optimizer_state_untouched_and_training_continues(tmp_path):
-    guard, snaps = NonFiniteGuard(action="skip", max_consecutive_skips=2), _Snapshots()
+    guard, snaps = NonFiniteGuard(action="skip_step", max_consecutive_skips=2), _Snapshots()
     module = _NaNAt({2})
     trainer = _fit(tmp_path, module, guard, 4, snaps)
     assert trainer.global_step == 4 and guard.skipped_at == [2] and guard.skipped_steps == 1
@@ -240,16 +240,87 @@ def test_nonfinite_skip_leaves_weights_and_optimizer_state_untouched_and_trainin
 
 
 def test_nonfinite_stop_names_the_step_and_the_quantity(tmp_path):
-    with pytest.raises(NonFiniteError, match=r"non-finite loss and gradient .* at optimizer step 1 "):
-        _fit(tmp_path, _NaNAt({1}), NonFiniteGuard(action="stop"), 3)
-    with pytest.raises(NonFiniteError, match=r"non-finite gradient \(global grad norm\) at optimizer step 2 "):
+    snaps = _Snapshots()
+    with pytest.raises(NonFiniteError, match=r"^non-finite loss nan, grad norm nan at optimizer step 1: stopped "
+                                             r"before the update"):
+        _fit(tmp_path, _NaNAt({1}), NonFiniteGuard(), 3, snaps)  # action=stop is the default
+    assert 1 not in snaps.after  # the step never completed: its update was not applied
+    with pytest.raises(NonFiniteError, match=r"^non-finite grad norm inf at optimizer step 2: "):
         _fit(tmp_path / "grad", _NaNAt({2}, grad_only=True), NonFiniteGuard(action="stop"), 3)
 
 
 def test_nonfinite_skip_stops_after_max_consecutive_skips(tmp_path):
-    guard = NonFiniteGuard(action="skip", max_consecutive_skips=2)
+    guard = NonFiniteGuard(action="skip_step", max_consecutive_skips=2)
     with pytest.raises(NonFiniteError, match="2 consecutive steps skipped"):
         _fit(tmp_path, _NaNAt({1, 2, 3}), guard, 5)
     assert guard.skipped_at == [1, 2]
     with pytest.raises(ValueError, match="skip"):
         NonFiniteGuard(action="ignore")
+
+
+# ---- a diverging run: stopped before the update, and no non-finite checkpoint ------------------
+DIVERGE = [*TINY, "cluster.devices=2", "seed=0", "precision=32-true", "optim.lr=1000", "trainer.max_steps=12",
+           "checkpoint.every_n_steps=1", "checkpoint.keep_last=2"]
+
+
+def _checkpoints_finite(ckpts: Path, tmp_path: Path) -> list[str]:
+    """The published checkpoints, each checked to load with every tensor finite."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lit_titan.checkpoint import published, validate
+    from lit_titan.checkpoint.staging import local_tensors
+
+    names = []
+    for ckpt in published(ckpts):
+        validate(ckpt)
+        dcp_to_torch_save(ckpt, tmp_path / f"{ckpt.name}.pt")
+        state = torch.load(tmp_path / f"{ckpt.name}.pt", weights_only=True)
+        tensors = [t for _, t in local_tensors(state) if t.is_floating_point()]
+        assert tensors and all(torch.isfinite(t).all() for t in tensors), ckpt
+        names.append(ckpt.name)
+    assert not list(ckpts.glob("*.partial")), sorted(p.name for p in ckpts.iterdir())
+    return names
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_before_the_update_and_never_publishes_a_nonfinite_checkpoint(tmp_path, worlds):
+    """optim.lr=1000 with a checkpoint every step, keep_last=2, two ranks.
+
+    Guard on (the default): the run stops at the first non-finite step, before its update, with one
+    line naming the step and the value; the two newest checkpoints are the steps just before it, finite.
+    Guard off: the updates turn the state NaN, and the save-time check refuses the first such save on
+    every rank before it prunes anything: the two good checkpoints before it stay.
+    """
+    guarded = worlds.run(2, "scripts.nonfinite_run:main", [*DIVERGE, f"run_dir={tmp_path / 'guard'}"]).value
+    line = guarded["stopped"]
+    assert line and line.startswith("non-finite ") and "\n" not in line, line
+    step = int(line.split(" at optimizer step ")[1].split(":")[0])
+    assert "stopped before the update" in line and ("loss nan" in line or "grad norm nan" in line), line
+    # every step before `step` was saved (the last one at `step`: the state before the bad update)
+    assert _checkpoints_finite(tmp_path / "guard" / "checkpoints", tmp_path) == [
+        f"step-{step - 1:06d}", f"step-{step:06d}"]
+
+    unguarded = worlds.run(2, "scripts.nonfinite_run:main",
+                           [*DIVERGE, "nonfinite.enabled=false", f"run_dir={tmp_path / 'off'}"]).value
+    line = unguarded["stopped"]
+    assert line and "not written: the state is not finite" in line and "nothing was pruned" in line, line
+    refused = int(line.split("checkpoint step-")[1].split(" ")[0])
+    assert refused > step  # the guard stopped earlier than the NaN state reached a save
+    assert _checkpoints_finite(tmp_path / "off" / "checkpoints", tmp_path) == [
+        f"step-{refused - 2:06d}", f"step-{refused - 1:06d}"]
+
+
+def test_nonfinite_error_is_one_line_and_exit_code_3(capsys):
+    """The command line's handling of the guard's stop: one line on stderr, exit code 3, no traceback."""
+    from lit_titan.cli import run_entry_point
+    from lit_titan.errors import NONFINITE_EXIT_CODE
+    from lit_titan.train import USER_ERRORS
+
+    def stopped() -> None:
+        raise NonFiniteError("non-finite loss nan at optimizer step 6: stopped before the update")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_entry_point(stopped, USER_ERRORS, rank_failures=True)
+    assert exit_.value.code == NONFINITE_EXIT_CODE == 3
+    err = capsys.readouterr().err
+    assert err == "lit-titan: error: non-finite loss nan at optimizer step 6: stopped before the update\n", err

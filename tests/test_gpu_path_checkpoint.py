@@ -250,3 +250,21 @@ def test_enospc_in_one_ranks_writer_ends_every_rank_with_one_line(tmp_path):
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-000002"]  # no .partial left, no step 4 or 6
     validate(ckpts / "step-000002")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_a_save_is_named_with_its_signal_in_one_line(tmp_path):
+    """Lightning's launcher: rank 1 is killed (SIGKILL) while step 4's checkpoint is written. Rank 0, the
+    launcher's process, names the rank and the signal in one line (not the disk), with no traceback; step 2 stays."""
+    proc = run_cli([*COMMON, "cluster.devices=2", "trainer.max_steps=6", "checkpoint.every_n_steps=2",
+                    "checkpoint.keep_last=2", "fault.kill_rank=1", "fault.at_step=4", "fault.during_save=true"],
+                   tmp_path, check=False, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-5000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("lit-titan: error:")]
+    assert len(errors) == 1, proc.stderr[-5000:]
+    assert "rank 1's process was killed by signal 9 (SIGKILL) while checkpoint step-000004 was being written" in (
+        errors[0]) and "step-000002 is kept" in errors[0], errors[0]
+    assert "free space" not in proc.stderr and "keep_last" not in proc.stderr and "Traceback" not in proc.stderr
+    ckpts = tmp_path / "checkpoints"
+    assert [p.name for p in published(ckpts)] == ["step-000002"]  # step-000004.partial: never loaded, pruned later
+    validate(ckpts / "step-000002")

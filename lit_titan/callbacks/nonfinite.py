@@ -1,31 +1,30 @@
-"""Non-finite loss / gradient guard: skip the optimizer step, or stop with a clear message.
+"""Non-finite loss / gradient guard: stop before the update (the default), or skip the step.
 
 One NaN in a step's loss or gradients reaches every weight through the optimizer and, with AdamW,
-its moment estimates: the run is lost from that step on, often noticed hours later. The guard
-checks each optimizer step *before* the update and either
+its moment estimates: the run is lost from that step on, often noticed hours later, and its
+checkpoints replace good ones. The guard is on by default (``nonfinite:`` in conf/train.yaml, not
+part of the replaceable ``callbacks`` list) and checks each optimizer step *before* the update:
 
-- ``action="skip"``: drops the update (every gradient set to ``None``, so AdamW leaves the
+- ``action="stop"`` (default): raises :class:`~lit_titan.errors.NonFiniteError` naming the step,
+  the quantity and its value; the command line prints that one line and exits with
+  ``NONFINITE_EXIT_CODE`` (3);
+- ``action="skip_step"``: drops the update (every gradient set to ``None``, so AdamW leaves the
   parameters *and* its state untouched: it skips parameters without gradients), counts it in
-  ``train/skipped_steps`` and stops after ``max_consecutive_skips`` skipped steps in a row; or
-- ``action="stop"``: raises :class:`NonFiniteError` naming the step and the quantity.
+  ``train/skipped_steps`` and stops after ``max_consecutive_skips`` skipped steps in a row.
 
-The decision is identical on every rank: each rank checks its loss and its local gradient shards,
-then one all-reduce of two flags over the world group combines them (a NaN in one rank's shard is
-a NaN in the global gradient norm). Cost per optimizer step: a foreach norm of the local
-gradients, that all-reduce, and one device-to-host copy of the two flags: the guard decides before
-the update, so unlike logging it cannot wait for a logging step (it is the one host sync it adds to
-steps that do not log; ``train/skipped_steps`` is logged on logging steps only).
-
-Hook order: Lightning runs ``optimizer.step(closure)``; the closure runs forward/backward, then the
-callbacks' ``on_before_optimizer_step``, then the module's (``PretrainModule`` computes the global
-grad norm and logs the step's loss there), then gradient clipping; after the closure returns the
-optimizer updates. The guard decides in its ``on_before_optimizer_step`` (reading the step's loss
-from ``PretrainModule`` before the module resets it) but drops the gradients only when the closure
-has returned, through an optimizer step pre-hook that wraps the closure: the module still sees the
-real gradients, logs the non-finite ``train/grad_norm`` and ``train/loss`` of the skipped step, and
-never reduces a norm over an empty gradient list. The LR scheduler still steps and
-``global_step`` still advances (the step's batch is consumed, not retried). Not meant for fp16 with
-a GradScaler, which skips overflowing steps itself (precision here is 32-true or bf16).
+When: after the step's closure (forward, backward, the callbacks' and the module's
+``on_before_optimizer_step``, clipping) returns and before the optimizer updates, through an
+optimizer step pre-hook that wraps the closure. By then ``PretrainModule`` has computed the
+*global* gradient norm (every step: clipping needs it), identical on every rank and NaN/Inf when
+any rank's shard holds a NaN/Inf, so the guard reads it instead of taking a norm of its own. The
+step's loss (each micro-batch's, summed on device as it goes, and ``PretrainModule``'s step mean)
+is per rank, so one all-reduce of three numbers (ranks with a bad loss, ranks with a bad gradient,
+the bad loss value) makes the decision identical everywhere; the guard's per-step cost is that
+all-reduce and one device-to-host read of it (the one host sync it adds to steps that do not log:
+it must decide before the update). The module still logs the step's real ``train/grad_norm`` and
+``train/loss`` (a skipped step's row shows why). On a skipped step the LR scheduler still steps
+and ``global_step`` still advances (the step's batch is consumed, not retried). Not meant for fp16
+with a GradScaler, which skips overflowing steps itself (precision here is 32-true or bf16).
 """
 
 from __future__ import annotations
@@ -37,29 +36,29 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lit_titan.errors import NonFiniteError
 from lit_titan.log_cadence import is_logging_step
 
-__all__ = ["NonFiniteError", "NonFiniteGuard"]
+__all__ = ["ACTIONS", "NonFiniteError", "NonFiniteGuard"]
 
-
-class NonFiniteError(RuntimeError):
-    """A non-finite loss or gradient stopped training (``NonFiniteGuard``)."""
+ACTIONS = ("stop", "skip_step")
 
 
 class NonFiniteGuard(L.Callback):
-    """Skip (or stop at) optimizer steps whose loss or gradients are NaN/Inf, identically on all ranks.
+    """Stop at (or skip) optimizer steps whose loss or gradient norm is NaN/Inf, identically on all ranks.
 
     Args:
-        action: ``"skip"`` drops the update and continues; ``"stop"`` raises ``NonFiniteError``.
-        max_consecutive_skips: with ``"skip"``, raise after this many skipped steps in a row
+        action: ``"stop"`` raises ``NonFiniteError`` before the update; ``"skip_step"`` drops the update.
+        max_consecutive_skips: with ``"skip_step"``, raise after this many skipped steps in a row
             (a run that keeps producing NaNs will not recover by skipping).
         check_loss / check_grads: which quantities to check.
     """
 
-    def __init__(self, action: Literal["skip", "stop"] = "skip", max_consecutive_skips: int = 5,
+    def __init__(self, action: Literal["stop", "skip_step"] = "stop", max_consecutive_skips: int = 5,
                  check_loss: bool = True, check_grads: bool = True) -> None:
-        if action not in ("skip", "stop"):
-            raise ValueError(f"NonFiniteGuard action={action!r}; choose 'skip' (drop the update) or 'stop' (raise)")
+        if action not in ACTIONS:
+            raise ValueError(f"NonFiniteGuard action={action!r}; choose 'stop' (raise before the update) or "
+                             f"'skip_step' (drop the update)")
         if max_consecutive_skips < 1:
             raise ValueError("NonFiniteGuard max_consecutive_skips must be >= 1")
         self.action = action
@@ -69,14 +68,18 @@ class NonFiniteGuard(L.Callback):
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.skipped_at: list[int] = []  # global steps whose update was dropped
-        self._loss_bad: Tensor | None = None  # non-finite loss seen in this step's backward passes
-        self._drop_grads = False  # set by the decision, applied when the optimizer's closure returns
+        self._loss_sum: Tensor | None = None  # this step's micro-batch losses, summed on device (NaN/Inf stays)
+        self._step_loss: Tensor | None = None  # captured in on_before_optimizer_step, checked after the closure
+        self._pending = False  # a step's closure reached on_before_optimizer_step: decide when it returns
+        self._decided = False  # a decision was taken in this batch (log train/skipped_steps at its end)
+        self._trainer: L.Trainer | None = None
         self._hooks: list[Any] = []
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.consecutive_skips = 0
-        self._loss_bad, self._drop_grads = None, False
+        self._loss_sum, self._step_loss, self._pending = None, None, False
+        self._trainer = trainer
         self._remove_hooks()
         for optimizer in trainer.optimizers:
             optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> torch optimizer
@@ -84,101 +87,128 @@ class NonFiniteGuard(L.Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._remove_hooks()
+        self._trainer = None
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
         # Every micro-batch's loss (modules other than PretrainModule); not called under pipeline
         # parallelism, where PretrainModule's step loss covers it. Kept on device: no sync here.
         if self.check_loss:
-            bad = ~torch.isfinite(_local(loss.detach())).all()
-            self._loss_bad = bad if self._loss_bad is None else (self._loss_bad | bad)
+            loss = _local(loss.detach()).float().sum()
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
+        # Runs before the module's hook, which resets its step loss: read it now, decide later.
+        losses = [] if self._loss_sum is None else [self._loss_sum]
+        step_loss, micro = getattr(pl_module, "_step_loss", None), getattr(pl_module, "_micro_batches", 0)
+        if isinstance(step_loss, Tensor) and micro:
+            losses.append(step_loss.detach().float() / micro)  # PretrainModule's step mean (also under PP)
+        self._loss_sum = None
+        # the first non-finite of them, else the step mean (on device, no sync)
+        self._step_loss = _first_nonfinite(losses) if losses and self.check_loss else None
+        self._pending = True
+        if not self._hooks:  # no closure hook (step() called outside fit's loop): decide now
+            self._decide(trainer, pl_module, optimizer, after_module=False)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        # a dense column: 0, 0, 1, 1, ... (cumulative), in every row (logging steps only: logging a
+        # Python number copies it to the device, a host sync on GPU)
+        if self._decided and self.action == "skip_step" and is_logging_step(trainer, trainer.global_step):
+            pl_module.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
+        self._decided = False
+
+    # ---- the decision ---------------------------------------------------------------------------
+    def _decide(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer,
+                after_module: bool) -> bool:
+        """Whether this step's update must be dropped; raises ``NonFiniteError`` to stop. Collective."""
+        self._pending, self._decided = False, True
         device = trainer.strategy.root_device
-        loss_bad, grad_bad = self._local_flags(pl_module, optimizer, device)
-        self._loss_bad = None
-        flags = torch.stack([loss_bad, grad_bad]).to(device=device, dtype=torch.float32)
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        loss = self._step_loss.to(device) if self._step_loss is not None else zero
+        self._step_loss = None
+        loss_bad = (~torch.isfinite(loss)).float()
+        norm, norm_global = zero, False
+        if self.check_grads:
+            module_norm = getattr(pl_module, "_last_grad_norm", None) if after_module else None
+            if isinstance(module_norm, Tensor):  # PretrainModule's global norm: identical on every rank
+                norm, norm_global = _local(module_norm.detach()).float().to(device), True
+            else:
+                norm = _local_grad_norm(optimizer, device)
+        grad_bad = (~torch.isfinite(norm)).float()
+        # ranks with a bad loss, ranks with a bad gradient, the bad losses' sum (NaN/Inf survives the sum)
+        flags = torch.stack([loss_bad, grad_bad, torch.where(loss_bad > 0, loss, zero)])
         world = _world_size()
         if world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.SUM)  # ranks that saw each problem
-        n_loss, n_grad = (int(v) for v in flags.tolist())  # the one device-to-host sync
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+        n_loss, n_grad, bad_loss, grad_norm = torch.cat([flags, norm.reshape(1)]).tolist()  # the one host sync
+        if norm_global and n_grad:
+            n_grad = world  # every rank holds the same global norm
         step = trainer.global_step
         if not (n_loss or n_grad):
             self.consecutive_skips = 0
-            self._log(pl_module)
-            return
-        what = " and ".join(q for q, n in (("loss", n_loss), ("gradient (global grad norm)", n_grad)) if n)
-        ranks = f" on {max(n_loss, n_grad)} of {world} ranks" if world > 1 else ""
+            return False
+        found = [f"loss {bad_loss}" if n_loss else "", f"grad norm {grad_norm}" if n_grad else ""]
+        what = ", ".join(f for f in found if f)
+        ranks = f" on {int(n_loss)} of {world} ranks" if world > 1 and n_loss and not n_grad else ""
         if self.action == "stop":
-            raise NonFiniteError(f"non-finite {what} at optimizer step {step} (global_step before the update)"
-                                 f"{ranks}; stopping before the update (NonFiniteGuard action=stop). Use "
-                                 f"action=skip to drop such steps, or lower the learning rate / check the data.")
-        if self._hooks:
-            self._drop_grads = True  # after the module's norm and clipping, before the update
-        else:  # no closure hook (step() called outside fit's loop): drop now
-            _drop_grads(optimizer)
+            raise NonFiniteError(f"non-finite {what} at optimizer step {step}{ranks}: stopped before the update "
+                                 f"(nonfinite.action=stop), every checkpoint saved so far is kept; lower optim.lr or "
+                                 f"check the data and resume=auto, or set nonfinite.action=skip_step to drop such steps")
         self.skipped_steps += 1
         self.consecutive_skips += 1
         self.skipped_at.append(step)
-        self._log(pl_module)
         if self.consecutive_skips >= self.max_consecutive_skips:
             raise NonFiniteError(f"non-finite {what} at optimizer step {step}{ranks}: {self.consecutive_skips} "
-                                 f"consecutive steps skipped (max_consecutive_skips={self.max_consecutive_skips}); "
-                                 f"stopping: the run is diverging, resume from an earlier checkpoint with a lower "
-                                 f"learning rate or check the data")
+                                 f"consecutive steps skipped (nonfinite.max_consecutive_skips="
+                                 f"{self.max_consecutive_skips}); stopping: the run is diverging, resume from an "
+                                 f"earlier checkpoint with a lower learning rate or check the data")
         if trainer.is_global_zero:
             print(f"lit-titan: NonFiniteGuard skipped optimizer step {step}: non-finite {what}{ranks} "
                   f"({self.consecutive_skips} in a row, {self.skipped_steps} in total)", flush=True)
+        return True
 
     # ---- helpers --------------------------------------------------------------------------------
     def _wrap_closure(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Optimizer step pre-hook: run the closure, then drop the gradients if the step is skipped."""
+        """Optimizer step pre-hook: run the closure, then decide (and drop the gradients of a skipped step)."""
         closure = kwargs.get("closure", args[0] if args else None)
         if closure is None:
             return None
 
-        def closure_then_drop() -> Any:
+        def closure_then_decide() -> Any:
             result = closure()
-            if self._drop_grads:
-                self._drop_grads = False
+            trainer = self._trainer
+            if self._pending and trainer is not None and self._decide(trainer, trainer.lightning_module, optimizer,
+                                                                      after_module=True):
                 _drop_grads(optimizer)
             return result
 
         if "closure" in kwargs or not args:
-            return args, {**kwargs, "closure": closure_then_drop}
-        return (closure_then_drop, *args[1:]), kwargs
+            return args, {**kwargs, "closure": closure_then_decide}
+        return (closure_then_decide, *args[1:]), kwargs
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
 
-    def _local_flags(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer,
-                     device: torch.device) -> tuple[Tensor, Tensor]:
-        false = torch.zeros((), dtype=torch.bool, device=device)
-        loss_bad = false
-        if self.check_loss:
-            if self._loss_bad is not None:
-                loss_bad = loss_bad | self._loss_bad.to(device)
-            # PretrainModule's mean loss of this step (also under pipeline parallelism), read before
-            # its own on_before_optimizer_step resets it.
-            step_loss, micro = getattr(pl_module, "_step_loss", None), getattr(pl_module, "_micro_batches", 0)
-            if isinstance(step_loss, Tensor) and micro:
-                loss_bad = loss_bad | ~torch.isfinite(step_loss.detach().to(device)).all()
-        grad_bad = false
-        if self.check_grads:
-            grads = [_local(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            grads = [g for g in grads if g.numel()]
-            if grads:
-                norms = torch._foreach_norm(grads)  # NaN or Inf anywhere in a tensor shows in its norm
-                grad_bad = ~torch.isfinite(torch.stack([n.float().to(device) for n in norms])).all()
-        return loss_bad, grad_bad
 
-    def _log(self, pl_module: L.LightningModule) -> None:
-        # a dense column: 0, 0, 1, 1, ... (cumulative), in every row (logging steps only: logging a
-        # Python number copies it to the device, a host sync on GPU)
-        if self.action == "skip" and is_logging_step(pl_module.trainer, pl_module.trainer.global_step + 1):
-            pl_module.log("train/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False)
+def _first_nonfinite(values: list[Tensor]) -> Tensor:
+    """The first non-finite of these scalars, else the last one; on device, no sync."""
+    out = values[-1]
+    for v in reversed(values[:-1]):
+        out = torch.where(torch.isfinite(v), out, v.to(out.device))
+    return out
+
+
+def _local_grad_norm(optimizer: torch.optim.Optimizer, device: torch.device) -> Tensor:
+    """This rank's gradient norm (modules that compute no global one): NaN/Inf anywhere shows in it."""
+    grads = [_local(p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([n.float().to(device) for n in torch._foreach_norm(grads)])
+    return torch.linalg.vector_norm(norms)
 
 
 def _drop_grads(optimizer: torch.optim.Optimizer) -> None:
@@ -194,4 +224,3 @@ def _local(t: Tensor) -> Tensor:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-

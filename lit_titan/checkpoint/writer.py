@@ -33,6 +33,7 @@ a CPU-capable group, works whatever the default backend is (NCCL on GPUs; no
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from lit_titan.checkpoint import disk
+from lit_titan.checkpoint.finite import first_nonfinite
 from lit_titan.checkpoint.layout import (
     META_FILE,
     RNG_DIR,
@@ -67,6 +69,8 @@ from lit_titan.checkpoint.layout import (
     write_checksums,
 )
 from lit_titan.checkpoint.staging import PinnedStager, local_bytes, local_tensors
+from lit_titan.errors import NonFiniteError
+from lit_titan.peer_exit import is_peer_failure
 
 WriteHook = Callable[[Path], None]
 # DCP raises CheckpointException, a BaseException (not an Exception) subclass, for a failed write.
@@ -206,7 +210,10 @@ class CheckpointWriter:
         start = time.perf_counter()
         staging = partial_path(final)
         mine = local_bytes(state)
-        total, count = (sum(x) for x in zip(*self._gather((mine, sum(1 for _ in local_tensors(state))))))
+        # with the sizes' gather, each rank's first NaN/Inf tensor: refused before anything is pruned or written
+        sizes = self._gather((mine, sum(1 for _ in local_tensors(state)), first_nonfinite(state)))
+        total, count = sum(x[0] for x in sizes), sum(x[1] for x in sizes)
+        _refuse_nonfinite(final, [x[2] for x in sizes])
         need = disk.checkpoint_disk_bytes(total, count, world_size)
         error, to_prune = None, []
         if rank == 0:
@@ -276,15 +283,15 @@ class CheckpointWriter:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        error = None
+        error, err = None, None
         try:
             pending.finished.result()
-        except _SAVE_ERRORS as err:
-            error = self._failure(err, pending.final, pending.need, "could not be written")
+        except _SAVE_ERRORS as caught:
+            error, err = self._failure(caught, pending.final, pending.need, "could not be written"), caught
         if agree:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self._agree(error, rank=rank, cleanup=pending.staging)
-        elif error:
+        elif error and not is_peer_failure(_root_cause(err)[1]):  # a dead peer: the command line's one line says it
             print(f"lit-titan: {error}", file=sys.stderr)
 
     def _finish(self, upload: Future, finished: Future, staging: Path, final: Path, rank: int,
@@ -304,12 +311,21 @@ class CheckpointWriter:
         failed_rank, cause = _root_cause(err)
         who = failed_rank if failed_rank is not None else rank
         where = f" on rank {who}" if who is not None else ""
-        try:
-            free = f"{disk.fmt(disk.free_bytes(final.parent))} free in {final.parent}"
-        except OSError:
-            free = f"free space in {final.parent} unknown"
         previous = published(final.parent)
         kept = f"the previous complete checkpoint {previous[-1].name} is kept" if previous else "no earlier checkpoint"
+        if is_peer_failure(cause):  # a rank's process ended: not a disk problem
+            return f"checkpoint {final.name} {what}: a peer rank's process ended during the save; {kept}"
+        try:
+            free_bytes = disk.free_bytes(final.parent)
+            free = f"{disk.fmt(free_bytes)} free in {final.parent}"
+        except OSError:
+            free_bytes, free = None, f"free space in {final.parent} unknown"
+        # the disk's advice only for a disk error (or a write error with less free space than the checkpoint needs:
+        # torch.save's RuntimeError on a full disk carries no errno)
+        disk_full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+            not isinstance(cause, OSError) and free_bytes is not None and free_bytes < need)
+        if not disk_full:
+            return f"checkpoint {final.name} {what}{where} ({_one_line(cause)}); {kept}"
         return (f"checkpoint {final.name} {what}{where} ({_one_line(cause)}); it needs {disk.fmt(need)}, {free}; "
                 f"{kept}; {disk.SETTINGS_HINT}")
 
@@ -335,6 +351,18 @@ class CheckpointWriter:
         staging.rename(final)
         _fsync_dir(final.parent)
         prune(final.parent, self.keep_last)
+
+
+def _refuse_nonfinite(final: Path, bad: list[str | None]) -> None:
+    """Raise ``NonFiniteError`` on every rank (they all see the same gathered list) if any rank's state is not finite."""
+    ranks = [r for r, key in enumerate(bad) if key]
+    if not ranks:
+        return
+    previous = published(final.parent)
+    kept = f"every complete checkpoint is kept (newest {previous[-1].name})" if previous else "no earlier checkpoint"
+    raise NonFiniteError(f"checkpoint {final.name} not written: the state is not finite ({bad[ranks[0]]} holds NaN/Inf "
+                         f"on rank {ranks[0]}{f' and {len(ranks) - 1} more' if len(ranks) > 1 else ''}); nothing was "
+                         f"pruned, {kept}; resume=auto from it with a lower optim.lr, and keep nonfinite.enabled=true")
 
 
 def _root_cause(err: BaseException) -> tuple[int | None, BaseException]:

@@ -199,6 +199,9 @@ class TitanStrategy(ModelParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
         self._owns_process_group = not torch.distributed.is_initialized()
         self._setup_distributed()
+        from lit_titan import peer_exit
+
+        peer_exit.remember(self.global_rank, self.world_size, self._launcher)  # for the line if a peer dies
         self.init_layout(self.parallel_dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
