@@ -159,7 +159,7 @@ def _explain(exc: BaseException, url: str, storage_options: dict | None) -> Conf
         return ConfigError(f"no {MANIFEST} under {where}: run `lit-titan prepare ... out={where}` first")
     if code in ("NoSuchKey", "404", "NotFound"):
         return ConfigError(f"{url} does not exist: the prepared directory {where} is incomplete; run "
-                           f"`lit-titan prepare ... out=...` and upload it again")
+                           f"`lit-titan prepare ... out={where}` again")
     if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken",
                 "InvalidToken", "Forbidden"):
         return ConfigError(f"S3 refused the credentials for {url} ({code}) at {endpoint}: set {_CREDENTIAL_KEYS}")
@@ -235,6 +235,17 @@ def download(url: str, dest: Path, storage_options: dict | None = None) -> int:
         finally:
             for leftover in (tmp, Path(f"{tmp}.lock")):
                 leftover.unlink(missing_ok=True)
+
+
+def check_bucket(url: str, storage_options: dict | None = None, *, timeout_s: float = 20.0) -> None:
+    """Before preparing into ``url``: the endpoint answers, the credentials work, the bucket exists."""
+    bucket, prefix = _split(url)
+    client = _client(storage_options, timeout_s / 4, 2)
+    try:
+        client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
+    except Exception as e:
+        _raise(e, _join(url, MANIFEST), storage_options)
+        raise
 
 
 def upload_dir(local: Path, url: str, storage_options: dict | None = None) -> None:
