@@ -127,11 +127,12 @@ def write_record(cfg: DictConfig, hc: Any, subdir: str) -> None:
     write_private(out / "config.yaml", OmegaConf.to_yaml(redact(OmegaConf.to_container(cfg, resolve=False), secrets)))
     write_private(out / "hydra.yaml", OmegaConf.to_yaml({"hydra": redact(hydra_cfg, secrets)}))
     write_private(out / "overrides.yaml", OmegaConf.to_yaml(redact(task_overrides, secrets)))
-    sweep_record = Path(str(hc.sweep.dir)) / "multirun.yaml"  # written by Hydra's sweeper before the first job
-    if hc.mode == RunMode.MULTIRUN and sweep_record.is_file():
-        text = sweep_record.read_text()
-        if any(s in text for s in secrets):
-            write_private(sweep_record, OmegaConf.to_yaml(redact(OmegaConf.load(sweep_record), secrets)))
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    # Hydra's sweeper wrote the whole config before the first job, with no hook in between: rewritten here.
+    sweep_record = Path(str(hc.sweep.dir)) / "multirun.yaml"
+    if sweep_record.is_file() and any(s in sweep_record.read_text() for s in secrets):
+        write_private(sweep_record, OmegaConf.to_yaml(redact(OmegaConf.load(sweep_record), secrets)))
 
 
 def task(cfg: DictConfig, train: Callable[[DictConfig], dict[str, Any]], record: str | None = None) -> dict[str, Any]:

@@ -80,3 +80,40 @@ def test_prepare_to_s3_then_credentials_appear_in_no_file_and_no_output(tmp_path
     assert "lit-titan: credentials are shown as ***" in out
     report = re.search(r"^lit-titan: see the metrics: (.+?)  \(writes", out, re.M)
     assert report and shlex.split(report.group(1)) == ["lit-titan", "report", str(run_dir)]
+
+
+def test_what_is_secret_and_printed_commands_round_trip_through_the_shell(monkeypatch: Any) -> None:
+    """The redaction rules (lit_titan/redact.py), error lines, and shell quoting of the end-of-run lines."""
+    from lit_titan.callbacks import RunSummary
+    from lit_titan.cli import scrub
+    from lit_titan.redact import is_secret_key, redact, secrets_of
+
+    secret = ["aws_secret_access_key", "aws_access_key_id", "aws_session_token", "key", "api_key", "hf_token",
+              "password", "WANDB_API_KEY", "credentials_file", "auth"]
+    plain = ["chunk_tokens", "tokenizer", "endpoint_url", "region_name", "tokens", "keys", "monkey", "path"]
+    assert [k for k in secret + plain if is_secret_key(k)] == secret
+
+    line = f"data.storage_options={{endpoint_url:'http://h:1',aws_secret_access_key:'{SECRET}'}}"
+    mixture = f"data.sources=[{{path: s3://b/p, weight: 1, storage_options: {{aws_session_token: {TOKEN}}}}}]"
+    assert secrets_of([line, mixture, "seed=1"]) == {SECRET, TOKEN}
+    assert redact([line, mixture]) == ["data.storage_options={endpoint_url:'http://h:1',aws_secret_access_key:'***'}",
+                                       "data.sources=[{path: s3://b/p, weight: 1, storage_options: "
+                                       "{aws_session_token: ***}}]"]
+    cfg = {"data": {"storage_options": {"aws_secret_access_key": SECRET, "endpoint_url": "http://h:1"}},
+           "note": f"x{SECRET}y"}
+    assert redact(cfg) == {"data": {"storage_options": {"aws_secret_access_key": "***", "endpoint_url": "http://h:1"}},
+                           "note": "x***y"}
+    monkeypatch.setattr(sys, "argv", ["lit_titan.train", line])
+    assert scrub(f"{line}: not a config key") == (  # error lines too
+        "data.storage_options={endpoint_url:'http://h:1',aws_secret_access_key:'***'}: not a config key")
+
+    run_dir = "/runs/my run $HOME"
+    summary = RunSummary(run_dir, continue_command="python -m lit_titan.train 'x=***'",
+                         tensorboard_dir=f"{run_dir}/tensorboard")
+    summary.summary = {"steps": 3, "tokens": 96, "final_loss": 8.7, "tokens_per_second": 1.0, "train_seconds": 1.0}
+    lines = summary.lines()
+    report = next(s for s in lines if "see the metrics" in s).split(": ", 2)[2].split("  (")[0]
+    assert shlex.split(report) == ["lit-titan", "report", run_dir]
+    board = next(s for s in lines if "TensorBoard" in s).split(": ", 2)[2]
+    assert shlex.split(board) == ["tensorboard", "--logdir", f"{run_dir}/tensorboard"]
+    assert any(s.startswith("lit-titan: credentials are shown as ***") for s in lines)
