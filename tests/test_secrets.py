@@ -53,7 +53,11 @@ def test_prepare_to_s3_then_credentials_appear_in_no_file_and_no_output(tmp_path
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert len(losses(run_dir)) == 2  # it trained, reading the shards with those credentials
+    assert list(run_dir.glob("wandb/*/*.wandb"))  # W&B wrote its log (checked below)
 
+    from lit_titan.report import make_report
+
+    make_report(run_dir)  # report.html, the page people share: under the same check
     for secret in (SECRET, TOKEN):
         assert secret not in out, [line for line in out.splitlines() if secret in line]
         leaked = [p for p in run_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]

@@ -22,7 +22,8 @@ class RunSummary(L.Callback):
     """Collects the run summary (``self.summary``, returned by ``lit_titan.train.main``) and prints it.
 
     ``continue_command``: the command line that resumes this run with more steps (built by the entry
-    point, which knows the user's overrides; shell-quoted, credentials as ``***``); ``tensorboard_dir``: set when a TensorBoard logger is on.
+    point, which knows the user's overrides; shell-quoted, credentials as ``***``); ``tensorboard_dir``:
+    set when a TensorBoard logger is on.
     """
 
     def __init__(self, run_dir: str | None = None, continue_command: str | None = None,
