@@ -121,3 +121,4 @@ def test_what_is_secret_and_printed_commands_round_trip_through_the_shell(monkey
     board = next(s for s in lines if "TensorBoard" in s).split(": ", 2)[2]
     assert shlex.split(board) == ["tensorboard", "--logdir", f"{run_dir}/tensorboard"]
     assert any(s.startswith("lit-titan: credentials are shown as ***") for s in lines)
+
