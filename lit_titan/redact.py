@@ -73,12 +73,11 @@ def secrets_of(*sources: Any) -> frozenset[str]:
 def _override_value(line: str) -> Any:
     """``a.b.aws_secret_access_key=X`` -> {"aws_secret_access_key": "X"}; a dict value as parsed by Hydra."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
 
     try:
         override = OverridesParser.create().parse_override(line)
         return {override.key_or_group.split(".")[-1]: override.value()}
-    except (HydraException, ValueError, TypeError):
+    except Exception:  # noqa: BLE001 - not an override (a notebook's or pytest's argv): read it as key=value
         key, sep, value = line.partition("=")
         return {key.lstrip("+~").split(".")[-1]: value} if sep else None
 
