@@ -123,14 +123,17 @@ def report_rank_failure(err: BaseException) -> Path:
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         path = log_dir / f"rank-{rank}-error.txt"
-        path.write_text("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        from lit_titan.redact import write_private
+
+        write_private(path, scrub(text))  # a traceback may quote the config: the user's only, no credentials
         where = f"full traceback in {path}"
     except OSError as write_err:  # the failure may be the disk itself: the traceback then goes to stderr
         traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
         path, where = Path("-"), f"traceback above (could not write {log_dir}: {write_err.strerror})"
     if _is_peer_failure(err) and _another_rank_reported(log_dir, rank):
         return path  # this rank only lost its peer: the first cause has its own line
-    summary = one_line(f"{type(err).__name__}: {err}")[:300]
+    summary = one_line(scrub(f"{type(err).__name__}: {err}"))[:300]
     print(f"lit-titan: error: rank {rank} failed: {summary}; {where}", file=sys.stderr, flush=True)
     return path
 
@@ -190,7 +193,20 @@ def report_user_error(err: BaseException) -> None:
         # The error came before any expensive work, so the wait costs nothing else.
         time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return
-    print(f"lit-titan: error: {one_line(err)}", file=sys.stderr, flush=True)
+    print(f"lit-titan: error: {one_line(scrub(str(err)))}", file=sys.stderr, flush=True)
+
+
+def scrub(text: str) -> str:
+    """``text`` with the credentials of this command line (``sys.argv``) as ``***`` (lit_titan/redact.py).
+
+    Error lines quote the override at fault, and they end up in job logs.
+    """
+    from lit_titan.redact import redact, secrets_of
+
+    try:
+        return redact(text, secrets_of(sys.argv[1:]))
+    except Exception:  # noqa: BLE001 - a line that cannot be scrubbed is still printed: the error matters more
+        return text
 
 
 def one_line(err: BaseException | str) -> str:

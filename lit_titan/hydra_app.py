@@ -73,15 +73,19 @@ def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> d
     multirun = bool(args.multirun) or _launcher_choice(overrides) in SUBMITIT_LAUNCHERS
     mode = RunMode.MULTIRUN if multirun else RunMode.RUN
     check(hydra, config_name, overrides, mode)
+    # Hydra would write its record (.hydra/) with the credentials in plain text: it writes none
+    # (output_subdir=null) and task() writes it, redacted, where the user asked (record_subdir).
+    record = _record_subdir(overrides)
     if multirun:
-        hydra.multirun(config_name=config_name, task_function=partial(task, train=train),
-                       overrides=[*overrides, "hydra.mode=MULTIRUN"])
+        hydra.multirun(config_name=config_name, task_function=partial(task, train=train, record=record),
+                       overrides=[*overrides, "hydra.mode=MULTIRUN", _NO_HYDRA_RECORD])
         return {}
     from lit_titan.cli import is_launcher_rank_zero
 
-    extra = ["hydra.mode=RUN"] + ([] if is_launcher_rank_zero() else ["hydra.output_subdir=null"])  # rank 0 records
+    record = record if is_launcher_rank_zero() else None  # rank 0 records
     _outcome.clear()
-    hydra.run(config_name=config_name, task_function=partial(task, train=train), overrides=[*overrides, *extra])
+    hydra.run(config_name=config_name, task_function=partial(task, train=train, record=record),
+              overrides=[*overrides, "hydra.mode=RUN", _NO_HYDRA_RECORD])
     if "error" in _outcome:  # re-raised here, not by Hydra, which would print a second line first
         raise _outcome.pop("error")
     return _outcome.pop("summary", {})
@@ -90,12 +94,62 @@ def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> d
 _outcome: dict[str, Any] = {}
 
 
-def task(cfg: DictConfig, train: Callable[[DictConfig], dict[str, Any]]) -> dict[str, Any]:
-    """Hydra's task function: one job (a run, a sweep point, or one rank of a submitit job)."""
+_NO_HYDRA_RECORD = "hydra.output_subdir=null"
+
+
+def _record_subdir(overrides: list[str]) -> str | None:
+    """Where the user wants Hydra's record (``hydra.output_subdir``, default ``.hydra``); None: no record."""
+    given = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == "hydra.output_subdir"]
+    value = given[-1].strip() if given else ".hydra"
+    return None if value in ("", "null", "None") else value
+
+
+def write_record(cfg: DictConfig, hc: Any, subdir: str) -> None:
+    """Hydra's record of a job (``<output_dir>/<subdir>/{config,hydra,overrides}.yaml``), credentials redacted.
+
+    The files Hydra's ``run_job`` would write, from the same objects, with the credentials as ``***``
+    (lit_titan/redact.py) and readable by the user only (they name data paths and endpoints).
+    """
+    from hydra.types import RunMode
+
+    from lit_titan.redact import private_dir, redact, secrets_of, write_private
+
+    task_overrides = list(hc.overrides.task)
+    secrets = secrets_of(cfg, task_overrides)
+    hydra_cfg = OmegaConf.to_container(hc, resolve=False)
+    hydra_cfg["output_subdir"] = subdir  # as if Hydra had written it: our own null is not the user's
+    hydra_overrides = list(hydra_cfg["overrides"]["hydra"])
+    if _NO_HYDRA_RECORD in hydra_overrides:
+        hydra_overrides.reverse()
+        hydra_overrides.remove(_NO_HYDRA_RECORD)
+        hydra_cfg["overrides"]["hydra"] = hydra_overrides[::-1]
+    out = private_dir(Path(str(hc.runtime.output_dir)) / subdir)
+    write_private(out / "config.yaml", OmegaConf.to_yaml(redact(OmegaConf.to_container(cfg, resolve=False), secrets)))
+    write_private(out / "hydra.yaml", OmegaConf.to_yaml({"hydra": redact(hydra_cfg, secrets)}))
+    write_private(out / "overrides.yaml", OmegaConf.to_yaml(redact(task_overrides, secrets)))
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    # Hydra's sweeper wrote the whole config before the first job, with no hook in between: rewritten here.
+    sweep_record = Path(str(hc.sweep.dir)) / "multirun.yaml"
+    if sweep_record.is_file() and any(s in sweep_record.read_text() for s in secrets):
+        write_private(sweep_record, OmegaConf.to_yaml(redact(OmegaConf.load(sweep_record), secrets)))
+
+
+def task(cfg: DictConfig, train: Callable[[DictConfig], dict[str, Any]], record: str | None = None) -> dict[str, Any]:
+    """Hydra's task function: one job (a run, a sweep point, or one rank of a submitit job).
+
+    ``record``: the subdirectory for Hydra's record of this job (written here, redacted), or None.
+    """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from lit_titan.cli import is_launcher_rank_zero
+
     hc = HydraConfig.get()
+    if os.environ.get("SUBMITIT_EXECUTOR"):  # one task of a submitit job = one rank
+        _slurm_env_from_submitit_local()
+    if record is not None and is_launcher_rank_zero():
+        write_record(cfg, hc, record)
     with open_dict(cfg):
         cfg.run_dir = str(hc.runtime.output_dir)  # Hydra's run directory is the run's run_dir
     if hc.mode != RunMode.MULTIRUN:
@@ -104,9 +158,11 @@ def task(cfg: DictConfig, train: Callable[[DictConfig], dict[str, Any]]) -> dict
         except Exception as err:  # noqa: BLE001 - handed back to run_app, raised there
             _outcome["error"] = err
         return _outcome.get("summary", {})
-    print(f"lit-titan: sweep job {hc.job.num}: {' '.join(hc.overrides.task)} -> {cfg.run_dir}", flush=True)
-    if os.environ.get("SUBMITIT_EXECUTOR"):  # one task of a submitit job = one rank
-        _slurm_env_from_submitit_local()
+    from lit_titan.redact import redact, secrets_of
+
+    shown = redact(list(hc.overrides.task), secrets_of(cfg))
+    print(f"lit-titan: sweep job {hc.job.num}: {' '.join(shown)} -> {cfg.run_dir}", flush=True)
+    if os.environ.get("SUBMITIT_EXECUTOR"):
         summary = train(cfg)
         print(f"lit-titan: task {os.environ.get('SLURM_PROCID')} of {os.environ.get('SLURM_NTASKS')} trained under "
               f"{summary.get('cluster_environment')}", flush=True)

@@ -11,11 +11,13 @@ and writes litdata token shards, ``tokenizer.json`` and ``manifest.json`` into `
     python -m lit_titan.prepare data=text data.path=corpus/ data.tokenizer.kind=hf \\
         data.tokenizer.path=llama3/tokenizer.json out=prepared/ workers=16
     python -m lit_titan.prepare out=prepared/stdlib          # the embedded corpus
+    python -m lit_titan.prepare data=text data.path=corpus/ out=s3://BUCKET/PREFIX
 
-Prepare-only arguments: ``out=DIR`` (required; a local directory: new, empty, or prepared before),
+Prepare-only arguments: ``out=DIR`` (required; a local directory: new, empty, or prepared before;
+or ``s3://BUCKET/PREFIX``: prepared in a temporary directory, then uploaded with manifest.json last,
+S3 settings as training takes them: AWS_* variables or ``data.storage_options``),
 ``workers=N`` (tokenizing processes, default: the CPU count), ``chunk_tokens=N`` (tokens per shard
-file, default 4194304 = 16 MiB). ``out=s3://...`` is refused for now: prepare locally, then upload
-the directory as is.
+file, default 4194304 = 16 MiB).
 """
 
 from __future__ import annotations
@@ -60,9 +62,8 @@ def parse_args(argv: list[str]) -> PrepareArgs:
     out = own.get("out", "").strip()
     if not out:
         raise ConfigError("out=DIR is required: the directory to write the prepared shards to")
-    if "://" in out:
-        raise ConfigError(f"out={out}: preparing straight into object storage is not supported yet; prepare into a "
-                          "local out=DIR, then upload it as is (e.g. aws s3 sync DIR s3://BUCKET/PREFIX)")
+    if "://" in out and not out.startswith("s3://"):
+        raise ConfigError(f"out={out}: only a local directory or s3://BUCKET/PREFIX is supported")
     return PrepareArgs(out=out, workers=_positive_int(own, "workers", os.cpu_count() or 1),
                        chunk_tokens=_positive_int(own, "chunk_tokens", DEFAULT_CHUNK_TOKENS),
                        overrides=tuple(overrides))
@@ -82,13 +83,43 @@ def _positive_int(own: dict[str, str], key: str, default: int) -> int:
 
 def prepare(argv: list[str], *, progress: bool = True) -> dict[str, Any]:
     """Check everything, then prepare (or find already prepared) the shards; returns a summary dict."""
-    from lit_titan.data.corpus import load_corpus, split_corpus
-    from lit_titan.data.prepare import check_out_dir, current_manifest, prepare_shards
+    from lit_titan.data.prepare import check_out_dir
 
     start = time.perf_counter()
     args = parse_args(argv)
-    out = check_out_dir(args.out).resolve()
     cfg = compose(list(args.overrides))
+    if args.out.startswith("s3://"):
+        return _prepare_to_s3(args, cfg, progress, start)
+    out = check_out_dir(args.out).resolve()
+    return _prepare_local(args, cfg, out, progress, start)
+
+
+def _prepare_to_s3(args: PrepareArgs, cfg: Any, progress: bool, start: float) -> dict[str, Any]:
+    """Prepare into a temporary local directory, then upload it with manifest.json last.
+
+    A reader takes a prefix holding manifest.json for complete (lit_titan/data/remote.py's
+    upload_dir), so it never sees a manifest without its shards. The bucket is checked first,
+    before any tokenizing.
+    """
+    from omegaconf import OmegaConf
+
+    from lit_titan.data import remote
+
+    options = OmegaConf.to_container(cfg.data.storage_options, resolve=True) if cfg.data.get("storage_options") \
+        else None
+    remote.check_bucket(args.out, options)
+    with tempfile.TemporaryDirectory(prefix="lit-titan-prepare-") as tmp:
+        result = _prepare_local(args, cfg, Path(tmp), progress, start)
+        remote.upload_dir(Path(tmp), args.out, options)
+    result["out"] = args.out
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def _prepare_local(args: PrepareArgs, cfg: Any, out: Path, progress: bool, start: float) -> dict[str, Any]:
+    from lit_titan.data.corpus import load_corpus, split_corpus
+    from lit_titan.data.prepare import current_manifest, prepare_shards
+
     data = cfg.data
     if data.corpus == "text":  # one line naming data.path / data.tokenizer.path (lit_titan/schema_inputs.py)
         from lit_titan.schema_inputs import check_documents, check_tokenizer_file

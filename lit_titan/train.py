@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.checkpoint import CheckpointError
 from lit_titan.cli import is_launcher_rank_zero
-from lit_titan.config import RUN_DIR_ENV, ConfigError, default_run_dir, model_overrides, to_yaml, validate
+from lit_titan.config import RUN_DIR_ENV, ConfigError, default_run_dir, model_overrides, validate
+from lit_titan.redact import redact, secrets_of, write_private
 from lit_titan.callbacks.preflight import PreflightError
 from lit_titan.strategies.parallel_dims import LayoutError
 
@@ -45,10 +46,20 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
     from lit_titan.csv_logger import RunDirCSVLogger
 
     loggers: list = []
+    credentials_in_argv = bool(secrets_of(sys.argv[1:]))
     for node in (cfg.get("logger") or {}).values():
-        if "Wandb" in str(node.get("_target_", "")) and node.get("offline", False):
-            os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network: `wandb sync` later
-        loggers.append(_instantiate(node))
+        extra: dict[str, Any] = {}
+        if "Wandb" in str(node.get("_target_", "")):
+            if node.get("offline", False):
+                os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network: `wandb sync` later
+            if credentials_in_argv:
+                # W&B copies the command line into its run metadata (uploaded by `wandb sync`), where no
+                # redaction reaches: not recorded at all when it holds credentials (docs/data.md).
+                settings = node.get("settings")
+                settings = OmegaConf.to_container(settings, resolve=True) if OmegaConf.is_config(settings) else \
+                    dict(settings or {})
+                extra.update(settings={**settings, "x_disable_meta": True}, _convert_="all")  # a dict, for wandb
+        loggers.append(_instantiate(node, **extra))
     if not any(isinstance(lg, CSVLogger) and Path(lg.log_dir).resolve() == run_dir for lg in loggers):
         loggers.insert(0, RunDirCSVLogger(save_dir=str(run_dir), name="", version=""))
     return loggers
@@ -126,7 +137,8 @@ def continue_command(cfg: DictConfig, run_dir: Path) -> str | None:
 
     The user's own overrides (Hydra's record of this job), with ``run_dir`` and ``resume=auto``, the
     doubled ``trainer.max_steps``, and ``optim.total_steps`` pinned to this run's, so the learning
-    rate schedule is the same and the new steps run at its final value. None when there will be no
+    rate schedule is the same and the new steps run at its final value. Credentials given as overrides
+    appear as ``***`` (the user passes them again, or better from the environment). None when there will be no
     checkpoint to resume from, or outside a Hydra job (``train(cfg)`` called directly).
     """
     import shlex
@@ -145,6 +157,7 @@ def continue_command(cfg: DictConfig, run_dir: Path) -> str | None:
     own = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in replaced and not o.startswith("hydra")]
     config_dirs = [arg for source in hc.runtime.config_sources if source.provider == "command-line"
                    for arg in ("--config-dir", str(source.path).removeprefix("file://"))]  # the user's own groups
+    own = redact(own, secrets_of(cfg, own))  # credentials as ***: the command is printed, into job logs
     return shlex.join(["python", "-m", "lit_titan.train", *config_dirs, *own, f"run_dir={run_dir}",
                        "resume=auto", f"trainer.max_steps={2 * steps}", f"optim.total_steps={total}"])
 
@@ -203,7 +216,7 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     OmegaConf.update(cfg, "run_dir", str(run_dir))
     if is_launcher_rank_zero():
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        write_private(run_dir / "config.yaml", OmegaConf.to_yaml(redact(cfg)))  # credentials as ***, 0600
     if resume:
         archive_metrics(run_dir)
     from lit_titan.observe import flight_recorder

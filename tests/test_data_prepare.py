@@ -173,7 +173,7 @@ def test_changed_input_prepares_again(one_worker: Path, corpus: Path, cache: Pat
 @pytest.mark.parametrize("args, message", [
     ([], "out=DIR is required"),
     (["out="], "out=DIR is required"),
-    (["out=s3://bucket/prefix"], "not supported yet"),
+    (["out=gs://bucket/prefix"], "only a local directory or s3://BUCKET/PREFIX"),
     (["out={out}", "out={out}"], "out= is given twice"),
     (["out={existing}"], "is not a prepared shard directory"),
     (["out={file}"], "is a file"),

@@ -7,10 +7,13 @@ command that trains this run further from its last checkpoint.
 
 from __future__ import annotations
 
+import shlex
 import time
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
+
+from lit_titan.redact import MASK
 
 __all__ = ["RunSummary"]
 
@@ -19,7 +22,8 @@ class RunSummary(L.Callback):
     """Collects the run summary (``self.summary``, returned by ``lit_titan.train.main``) and prints it.
 
     ``continue_command``: the command line that resumes this run with more steps (built by the entry
-    point, which knows the user's overrides); ``tensorboard_dir``: set when a TensorBoard logger is on.
+    point, which knows the user's overrides; shell-quoted, credentials as ``***``); ``tensorboard_dir``:
+    set when a TensorBoard logger is on.
     """
 
     def __init__(self, run_dir: str | None = None, continue_command: str | None = None,
@@ -67,10 +71,15 @@ class RunSummary(L.Callback):
             figures += f", MFU {100 * s['mfu']:.1f}%"
         out = [f"lit-titan: {figures}",
                f"lit-titan: outputs in {self.run_dir} (metrics.csv, config.yaml, checkpoints/)",
-               f"lit-titan: see the metrics: lit-titan report {self.run_dir}  (writes report.html there)"]
+               f"lit-titan: see the metrics: {shlex.join(['lit-titan', 'report', str(self.run_dir)])}  "
+               f"(writes report.html there)"]
         if self.tensorboard_dir:
-            out.append(f"lit-titan: TensorBoard: tensorboard --logdir {self.tensorboard_dir}")
+            out.append(f"lit-titan: TensorBoard: {shlex.join(['tensorboard', '--logdir', str(self.tensorboard_dir)])}")
         if self.continue_command:
             more = f"{s['steps']} more step" + ("s" if s["steps"] != 1 else "")
             out.append(f"lit-titan: train {more} from the last checkpoint: {self.continue_command}")
+            if MASK in self.continue_command:
+                out.append(f"lit-titan: credentials are shown as {MASK} (never printed or written): put them back, or "
+                           "drop them and set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (W&B: "
+                           "WANDB_API_KEY) in the environment (docs/data.md)")
         return out

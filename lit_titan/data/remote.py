@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -156,10 +157,11 @@ def _explain(exc: BaseException, url: str, storage_options: dict | None) -> Conf
         return ConfigError(f"S3 bucket {bucket!r} does not exist at {endpoint}: create it, or fix data.path "
                            f"({url}) or {_ENDPOINT_KEYS}")
     if code in ("NoSuchKey", "404", "NotFound") and key.endswith(MANIFEST):
-        return ConfigError(f"no {MANIFEST} under {where}: run `lit-titan prepare ... out={where}` first")
+        return ConfigError(f"no {MANIFEST} under {where}: run `lit-titan prepare ... {shlex.quote(f'out={where}')}` "
+                           "first")
     if code in ("NoSuchKey", "404", "NotFound"):
         return ConfigError(f"{url} does not exist: the prepared directory {where} is incomplete; run "
-                           f"`lit-titan prepare ... out=...` and upload it again")
+                           f"`lit-titan prepare ... {shlex.quote(f'out={where}')}` again")
     if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken",
                 "InvalidToken", "Forbidden"):
         return ConfigError(f"S3 refused the credentials for {url} ({code}) at {endpoint}: set {_CREDENTIAL_KEYS}")
@@ -195,8 +197,8 @@ def preflight(url: str, storage_options: dict | None = None, *, timeout_s: float
     try:
         json.loads(data)
     except ValueError:
-        raise ConfigError(f"{_join(url, MANIFEST)} is not JSON: run `lit-titan prepare ... out={url}` "
-                          "again") from None
+        raise ConfigError(f"{_join(url, MANIFEST)} is not JSON: run `lit-titan prepare ... "
+                          f"{shlex.quote(f'out={url}')}` again") from None
 
 
 def download(url: str, dest: Path, storage_options: dict | None = None) -> int:
@@ -235,6 +237,17 @@ def download(url: str, dest: Path, storage_options: dict | None = None) -> int:
         finally:
             for leftover in (tmp, Path(f"{tmp}.lock")):
                 leftover.unlink(missing_ok=True)
+
+
+def check_bucket(url: str, storage_options: dict | None = None, *, timeout_s: float = 20.0) -> None:
+    """Before preparing into ``url``: the endpoint answers, the credentials work, the bucket exists."""
+    bucket, prefix = _split(url)
+    client = _client(storage_options, timeout_s / 4, 2)
+    try:
+        client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
+    except Exception as e:
+        _raise(e, _join(url, MANIFEST), storage_options)
+        raise
 
 
 def upload_dir(local: Path, url: str, storage_options: dict | None = None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,11 @@ def load_manifest(root: str, storage_options: dict | None = None, *, setting: st
     else:
         path = Path(root).expanduser()
         if not path.is_dir():
-            raise ConfigError(f"{setting}={root}: no such directory; prepare one with `lit-titan prepare out={root}`")
+            raise ConfigError(f"{setting}={root}: no such directory; prepare one with "
+                              f"`lit-titan prepare {shlex.quote(f'out={root}')}`")
         if not (path / MANIFEST).is_file():
             raise ConfigError(f"{setting}={root} holds no {MANIFEST}: it is not a prepared shard directory; run "
-                              f"`lit-titan prepare [data overrides] out={root}` first")
+                              f"`lit-titan prepare [data overrides] {shlex.quote(f'out={root}')}` first")
     manifest = json.loads(read_text(_join(str(root), MANIFEST), storage_options))
     if manifest.get("format") != FORMAT:
         raise ConfigError(f"{setting}={root}: {MANIFEST} is not a {FORMAT} manifest; re-run `lit-titan prepare`")

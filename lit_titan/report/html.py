@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def write_report(root: Path, runs: list[Run], figures: list[Figure]) -> Path:
              f"</title><style>{_STYLE}</style></head><body>",
              f"<h1>lit-titan report: {html.escape(str(root))}</h1>",
              f"<p class='muted'>written {time.strftime('%Y-%m-%d %H:%M:%S')} from {len(runs)} run(s); "
-             f"steps are optimizer steps from 1. Re-run <code>lit-titan report {html.escape(str(root))}</code> "
+             "steps are optimizer steps from 1. Re-run "
+             f"<code>{html.escape(shlex.join(['lit-titan', 'report', str(root)]))}</code> "
              f"to refresh a run in progress.</p>",
              _summary(runs), "<h2>Figures</h2><div class='grid'>"]
     for fig in figures:

@@ -92,7 +92,7 @@ def load_run(path: Path) -> Run:
                 by_step[int(parsed["step"])] = {k: v for k, v in parsed.items() if v is not None}
         run.timeline[rank] = [by_step[s] for s in sorted(by_step)]
     if (run.path / "config.yaml").is_file():
-        run.config = (run.path / "config.yaml").read_text()
+        run.config = _redacted_config(run.path / "config.yaml")
     run.traces = sorted((run.path / "profile").glob("step-*/rank-*.json.gz"))
     run.memory_snapshots = sorted(run.path.glob("profile/step-*/rank-*.memory.pickle")) + \
         sorted(run.path.glob("memory/oom-rank-*.pickle"))
@@ -130,3 +130,18 @@ def _int(value: str | None) -> int | None:
         return int(float(value)) if value not in (None, "") else None
     except ValueError:
         return None
+
+
+def _redacted_config(path: Path) -> str:
+    """config.yaml for the page people share, credentials as ``***`` (a run written before redaction too)."""
+    import yaml
+
+    from lit_titan.redact import redact
+
+    text = path.read_text()
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    redacted = redact(loaded)
+    return text if redacted == loaded else yaml.safe_dump(redacted, sort_keys=False)
