@@ -161,6 +161,8 @@ def _patch_fsdp_divide(p: _Patcher, factor: Callable[[Any], float]) -> None:
 
         for m in root.modules():
             if isinstance(m, FSDPModule):
+                # SUM collectives then one division (gloo has no PREMUL_SUM for a custom factor)
+                m.set_force_sum_reduction_for_comms(True)
                 m.set_gradient_divide_factor(factor(mesh))
 
     p.set(strategy, "apply_fsdp", apply_fsdp)
