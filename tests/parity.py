@@ -29,6 +29,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from helpers import TINY
 
 # Wrappers that activation checkpointing / compile insert into parameter names.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -182,7 +183,7 @@ def norms(run_dir: Path | str) -> dict[int, float]:
 STEPS = 8
 CLIP = 0.3
 MIN_LOSS_DROP = 0.5  # the reference must learn at least this much (measured: 0.72)
-PARITY = [*__import__("helpers").TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "optim.lr=1e-2",
+PARITY = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "optim.lr=1e-2",
           "optim.warmup_steps=2", f"trainer.gradient_clip_val={CLIP}"]
 DUMP_STEPS = [0, 4, STEPS - 1]
 RESUME_STEP = 4  # the reference saves a checkpoint here; resume cases continue from it
