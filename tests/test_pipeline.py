@@ -76,6 +76,8 @@ PARITY_CASES = ["pp2_1F1B_accum2", "pp2xdp2_GPipe", "pp2xdp2_1F1B", "pp2xdp2_Int
 ZERO_BUBBLE_CASES = ["pp2xdp2_InterleavedZeroBubble", "pp2xdp2_ZBVZeroBubble", "pp2xdp2_DualPipeV",
                      "pp2_ZBVZeroBubble_accum2"]
 assert {c.split("_")[1] for c in ZERO_BUBBLE_CASES} == set(ZERO_BUBBLE)
+# every schedule runs (1F1B also in pp2 x tp2, whose case name does not say it)
+assert {c.split("_")[1] for c in PARITY_CASES + ZERO_BUBBLE_CASES if "_" in c} == set(SCHEDULES)
 
 
 @pytest.mark.slow
