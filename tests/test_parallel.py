@@ -14,22 +14,25 @@ import pytest
 from helpers import assert_losses_match, losses
 from parity import PARITY, check_case, run_case
 
-pytestmark = [pytest.mark.slow, pytest.mark.parity]
+pytestmark = pytest.mark.slow
 
 LAYOUTS = ["dp2", "dp2_accum2", "dp4_accum2", "hsdp2x2_accum2", "tp2", "dp2_tp2_accum2"]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", LAYOUTS)
 def test_layout_matches_single_process(case, parity_reference, tmp_path, worlds):
     check_case(case, parity_reference, run_case(worlds, case, tmp_path, parity_reference))
 
 
+@pytest.mark.parity
 def test_resume_into_dp2_continues_the_single_process_run(parity_reference, tmp_path, worlds):
     """From the reference's step-4 checkpoint under another layout: weights, optimizer state, LR schedule
     and data position carry over, so steps 4-7 have the uninterrupted run's gradients and weights."""
     check_case("resume_dp2", parity_reference, run_case(worlds, "resume_dp2", tmp_path, parity_reference))
 
 
+@pytest.mark.parity
 def test_bf16_mixed_stays_close_to_fp32(parity_reference, tmp_path, worlds):
     """bf16 compute with fp32 master weights and reductions (dp2): within 2e-2 relative of fp32.
 
