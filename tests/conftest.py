@@ -30,6 +30,14 @@ def worlds(_shared_data_cache):
     pool.close()
 
 
+@pytest.fixture(scope="session")
+def parity_reference(worlds, tmp_path_factory):
+    """The one-process run of tests/parity.py's shared config: every parity case of the session compares with it."""
+    from parity import run_reference
+
+    return run_reference(worlds, tmp_path_factory.mktemp("parity-reference"))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -84,6 +84,7 @@ def test_activation_checkpointing_keeps_losses_under_dp2_tp2(mode, reference, tm
     assert_losses_match(losses(tmp_path), reference, rtol=1e-6)
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_compile_x_tp_x_fsdp_matches_eager_single_process(reference, tmp_path, worlds):
     """Guards the silent compile x TP x FSDP bug (residual stream as local tensors between blocks):

@@ -26,6 +26,7 @@ def one_process(tmp_path_factory, worlds):
     ["cluster.devices=2", "data.micro_batch_size=2"],  # dp2 x micro 2 x accumulation 4
     ["cluster.devices=4", "data.num_workers=2"],  # dp4, two loader workers per rank
 ], ids=["dp2_micro2_accum4", "dp4_workers2"])
+@pytest.mark.parity
 def test_losses_match_one_process(one_process, layout, tmp_path, worlds):
     worlds.train([*COMMON, *layout], tmp_path)
     ref = losses(one_process)

@@ -142,6 +142,7 @@ def short_documents(tmp_path_factory) -> str:
     return str(root)
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_masked_training_matches_single_process_under_fsdp_x_tp_and_pp(tmp_path, worlds, short_documents):
     data = f"data.path={short_documents}"

@@ -345,6 +345,7 @@ def test_emulated_float8_tracks_bf16(single_process_runs):
     assert f8["scales_set"] == [0] + [14] * 19
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_float8_dp2_tp2_gloo(single_process_runs, tmp_path, worlds):
     # 5 steps of the same 20-step schedule; ordinary TP styles; FP8 all-gather over gloo.
@@ -357,6 +358,7 @@ def test_float8_dp2_tp2_gloo(single_process_runs, tmp_path, worlds):
     assert worst <= 1.5e-4, (worst, got["losses"])
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_float8_tp_tp2_gloo_matches_one_process(single_process_runs, tmp_path, worlds):
     # Real float8 TP styles over 2 gloo processes; gloo has no float8 collectives, so the script sends
@@ -370,6 +372,7 @@ def test_float8_tp_tp2_gloo_matches_one_process(single_process_runs, tmp_path, w
     assert worst <= 1e-4, (worst, got["losses"])
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_float8_parallel_block_dp2_tp2_matches_one_process(tmp_path, worlds):
     """model.parallel_block=true under Float8 (emulated): the same 14 block linears convert, and dp2 x tp2 (one

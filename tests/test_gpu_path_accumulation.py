@@ -54,6 +54,7 @@ def _assert_same_training(run_dir: Path, reference: Path) -> None:
         assert abs(g - r) / r < 1e-4, (got, ref)
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["every_microbatch", "last_microbatch"])
 def test_gradients_stay_sharded_between_micro_batches(mode, reference, tmp_path, worlds):
@@ -78,6 +79,7 @@ def test_gradients_stay_sharded_between_micro_batches(mode, reference, tmp_path,
             assert min(inside) >= 0.95 * total, (rank["rank"], inside, total)
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_hsdp_accumulation_defers_only_the_all_reduce(tmp_path, worlds):
     """HSDP 2 x 2 with accumulation 2: one reduce-scatter per FSDP group and micro-batch, one all-reduce per step."""

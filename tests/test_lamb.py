@@ -114,6 +114,7 @@ def reference(tmp_path_factory, worlds):
     return run_dir
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lamb_layout_matches_single_process(layout, reference, tmp_path, worlds):

@@ -127,6 +127,7 @@ def unchunked_reference(tmp_path_factory, worlds):
     ["cluster.devices=4", "parallel.tp=2"],
     ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=1F1B"],
 ], ids=["dp2xtp2", "pp2xdp2"])
+@pytest.mark.parity
 def test_chunked_training_matches_unchunked_single_process(layout, unchunked_reference, tmp_path, worlds):
     worlds.train([*COMMON, *layout, "loss.chunk_tokens=48"], tmp_path)
     assert_losses_match(losses(tmp_path), losses(unchunked_reference), rtol=1e-5)

@@ -1,58 +1,45 @@
-"""TitanStrategy parity: every layout trains to the single-process losses and weights.
+"""TitanStrategy parity: every layout trains to the single-process gradients, norms, weights and losses.
 
-Each run is the training entry point (``lit_titan.train.main``) on real gloo processes of a
-reused world (tests/world.py). The reference is a single-process run of the same seed and global
-batch, never a stored number.
+Each run is the training entry point (``lit_titan.train.main``) on real gloo processes of a reused
+world (tests/world.py), with tests/parity.py's dump of full pre-clip gradients, the global norm and
+the weights at steps 0, 4 and 7. The reference is a one-process run of the same seed and global
+batch (one per session, shared with test_pipeline.py and test_context_parallel.py), in a regime where
+bugs show: lr 1e-2 (loss 6.63 -> 5.92), clipping engaged at every step, accumulation combined with
+every parallelism. Tolerances: ``parity.TOL``, about 4x the measured noise floor (docs/testing.md,
+"Parity"); tests/test_mutants.py shows each check failing by >= 10x its tolerance on planted bugs.
 """
 
 import pytest
-import torch
 
-from helpers import TINY, assert_losses_match, final_params, losses, read_metrics
+from helpers import assert_losses_match, losses
+from parity import PARITY, check_case, run_case
 
 pytestmark = pytest.mark.slow
 
-STEPS = 10
-COMMON = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true"]
-
-LAYOUTS = {
-    "dp2": ["cluster.devices=2"],
-    "dp4": ["cluster.devices=4"],
-    "hsdp2x2": ["cluster.devices=4", "parallel.dp_replicate=2"],
-    "tp2": ["cluster.devices=2", "parallel.tp=2"],
-    "dp2_tp2": ["cluster.devices=4", "parallel.tp=2"],
-    "dp2_accum2": ["cluster.devices=2", "data.micro_batch_size=2"],
-}
+LAYOUTS = ["dp2", "dp2_accum2", "dp4_accum2", "hsdp2x2_accum2", "tp2", "dp2_tp2_accum2"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, worlds):
-    run_dir = tmp_path_factory.mktemp("single")
-    worlds.train([*COMMON, "cluster.devices=1"], run_dir)
-    return run_dir
+@pytest.mark.parity
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_layout_matches_single_process(case, parity_reference, tmp_path, worlds):
+    check_case(case, parity_reference, run_case(worlds, case, tmp_path, parity_reference))
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_single_process(layout, reference, tmp_path, worlds):
-    worlds.train([*COMMON, *LAYOUTS[layout]], tmp_path)
-    ref_losses = losses(reference)
-    # The reference really trains: every step had gradients (a wiped-gradient bug logs 0 here).
-    assert len(ref_losses) == STEPS and all(float(r["train/grad_norm"]) > 0 for r in read_metrics(reference))
-    # metrics.csv is written by rank 0: the logged loss is the global-batch loss, not a rank's.
-    assert_losses_match(losses(tmp_path), ref_losses, rtol=1e-5)
-    ref_params, got = final_params(reference), final_params(tmp_path)
-    assert ref_params.keys() == got.keys()
-    for name, ref in ref_params.items():
-        torch.testing.assert_close(got[name], ref, rtol=0, atol=1e-4, msg=name)
+@pytest.mark.parity
+def test_resume_into_dp2_continues_the_single_process_run(parity_reference, tmp_path, worlds):
+    """From the reference's step-4 checkpoint under another layout: weights, optimizer state, LR schedule
+    and data position carry over, so steps 4-7 have the uninterrupted run's gradients and weights."""
+    check_case("resume_dp2", parity_reference, run_case(worlds, "resume_dp2", tmp_path, parity_reference))
 
 
-def test_bf16_mixed_stays_close_to_fp32(reference, tmp_path, worlds):
+@pytest.mark.parity
+def test_bf16_mixed_stays_close_to_fp32(parity_reference, tmp_path, worlds):
     """bf16 compute with fp32 master weights and reductions (dp2): within 2e-2 relative of fp32.
 
     The bound is documented in docs/parallelism.md; bf16 has 8 mantissa bits (~4e-3 per op).
     """
-    worlds.train([*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=bf16-mixed", "cluster.devices=2"], tmp_path)
-    got, ref = losses(tmp_path), losses(reference)
+    worlds.train([*PARITY, "precision=bf16-mixed", "cluster.devices=2", "checkpoint.enabled=false"], tmp_path)
+    got, ref = losses(tmp_path), losses(parity_reference)
     assert_losses_match(got, ref, rtol=2e-2)
     assert got != ref  # bf16 really ran (identical numbers would mean fp32 was used)
 

@@ -68,6 +68,7 @@ RUN = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "chec
 COMMON = [*RUN, "model.parallel_block=true"]
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_parallel_block_matches_single_process(tmp_path, worlds):
     worlds.train([*COMMON, "cluster.devices=1"], tmp_path / "one")

@@ -8,6 +8,7 @@ from lit_titan.models.llama3.plan import pipeline_units
 from lit_titan.strategies.pipeline import SCHEDULES, ZERO_BUBBLE, PipelineConfig, build_rank_model, split_units, stage_ids
 
 from helpers import TINY, assert_losses_match, losses, read_metrics, run_cli
+from parity import SIX_LAYERS, check_case, run_case, run_reference
 
 STEPS = 5
 COMMON = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "checkpoint.enabled=false"]
@@ -63,61 +64,43 @@ def test_rank_model_keeps_original_names_and_views_share_parameters():
     assert rank_model.output is not None  # pruning a view does not touch the rank model
 
 
-# ---- parity with one process (real gloo processes) -------------------------------------------------
+# ---- parity with one process (real gloo processes, tests/parity.py) --------------------------------
+# Every schedule family (single-stage, looped, V-shaped) with FSDP inside the stages and, at least once,
+# with gradient accumulation; pp2 x tp2 and a 3-D layout. Gradients, the clip norm over the stages and
+# the weights against one process (parity.TOL): a loss comparison under AdamW cannot see a pipeline
+# loss scale that forgets accumulation (Adam's m/sqrt(v) cancels a uniform scale); gradients can.
+PARITY_CASES = ["pp2_1F1B_accum2", "pp2xdp2_GPipe", "pp2xdp2_1F1B", "pp2xdp2_Interleaved1F1B_accum2",
+                "pp2xdp2_LoopedBFS", "pp2xtp2", "pp2xdp2xtp2_Interleaved1F1B"]
+# The zero-bubble schedules with FSDP (trap 1 moves one stage's gradients by ~1e-3 or drops them),
+# against a six-layer reference.
+ZERO_BUBBLE_CASES = ["pp2xdp2_InterleavedZeroBubble", "pp2xdp2_ZBVZeroBubble", "pp2xdp2_DualPipeV",
+                     "pp2_ZBVZeroBubble_accum2"]
+assert {c.split("_")[1] for c in ZERO_BUBBLE_CASES} == set(ZERO_BUBBLE)
+# every schedule runs (1F1B also in pp2 x tp2, whose case name does not say it)
+assert {c.split("_")[1] for c in PARITY_CASES + ZERO_BUBBLE_CASES if "_" in c} == set(SCHEDULES)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_pipeline_matches_single_process(case, parity_reference, tmp_path, worlds):
+    check_case(case, parity_reference, run_case(worlds, case, tmp_path, parity_reference))
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, worlds):
-    run_dir = tmp_path_factory.mktemp("single")
-    worlds.train([*COMMON, "cluster.devices=1"], run_dir)
-    return run_dir
-
-
-def _grad_norms(run_dir):
-    return [float(r["train/grad_norm"]) for r in read_metrics(run_dir) if r.get("train/grad_norm")]
-
-
-def assert_matches_reference(run_dir, reference):
-    """Losses to 1e-5 and gradient norms to 1e-3 of one process.
-
-    Loss parity under AdamW is blind to a uniform gradient-scale error (a loss not divided by the
-    pipeline's micro-batches trains to the same losses: Adam's m/sqrt(v) cancels the scale); the
-    logged global gradient norm is not. 1e-3: torch's fp32 norm over the model differs by up to
-    ~3e-4 between shardings (shared/design.md).
-    """
-    assert_losses_match(losses(run_dir), losses(reference), rtol=1e-5)
-    got, ref = _grad_norms(run_dir), _grad_norms(reference)
-    assert len(got) == len(ref) == STEPS and min(ref) > 0
-    worst = max(abs(g - r) / r for g, r in zip(got, ref))
-    assert worst <= 1e-3, f"gradient norms differ by {worst:.3g}: {got} vs {ref}"
-
-
-# Every schedule trains with losses equal to one process. Under pp2 x dp2 (FSDP inside stages);
-# the zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) are checked at the
-# gradient level below instead, which also catches trap 1 (their losses can hide it). pp2 alone
-# (no FSDP) once; pp2 x tp2 (no FSDP either) in test_pipeline_composes_with_tp_and_fsdp.
-LOSS_LAYOUTS = [(s, 2) for s in SCHEDULES if s not in ZERO_BUBBLE] + [("1F1B", 1)]
+def six_layer_reference(tmp_path_factory, worlds):
+    return run_reference(worlds, tmp_path_factory.mktemp("six-layers"), SIX_LAYERS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,dp", LOSS_LAYOUTS,
-                         ids=[f"pp2{'xdp2' if dp == 2 else ''}-{s}" for s, dp in LOSS_LAYOUTS])
-def test_every_schedule_matches_single_process(schedule, dp, reference, tmp_path, worlds):
-    worlds.train([*COMMON, f"cluster.devices={2 * dp}", "parallel.pp=2", f"parallel.pp_schedule={schedule}"], tmp_path)
-    assert_matches_reference(tmp_path, reference)
+@pytest.mark.parity
+@pytest.mark.parametrize("case", ZERO_BUBBLE_CASES)
+def test_zero_bubble_schedules_match_single_process(case, six_layer_reference, tmp_path, worlds):
+    check_case(case, six_layer_reference, run_case(worlds, case, tmp_path, six_layer_reference))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ["cluster.devices=4", "parallel.pp=2", "parallel.tp=2"],
-    # 3-D: looped stages (two per rank) x FSDP x TP; 1F1B x FSDP is covered by the sweep above
-    ["cluster.devices=8", "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
-     "parallel.pp_schedule=Interleaved1F1B"],
-], ids=["pp2xtp2", "pp2xdp2xtp2-Interleaved1F1B"])
-def test_pipeline_composes_with_tp_and_fsdp(layout, reference, tmp_path, worlds):
-    worlds.train([*COMMON, *layout], tmp_path)
-    assert_matches_reference(tmp_path, reference)
-
-
-@pytest.mark.slow
+@pytest.mark.parity
 def test_checkpoint_from_pp2xdp2_resumes_under_dp2(tmp_path, worlds):
     steps = [*TINY, "trainer.max_steps=6", "seed=0", "precision=32-true", "checkpoint.every_n_steps=3"]
     worlds.train([*steps, "cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
@@ -133,33 +116,3 @@ def test_microbatches_must_divide_the_rank_batch(tmp_path):
                    check=False)
     assert proc.returncode == 2 and "parallel.pp_microbatches" in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-def _grads(worlds, tmp_path, devices, *strategy_kwargs):
-    """Full gradients of step 0, merged over ranks (each rank holds its stages' parameters)."""
-    out = tmp_path / f"grads-{devices}-{'-'.join(strategy_kwargs) or 'single'}"
-    out.mkdir()
-    worlds.run(devices, "scripts.dump_grads:main", [str(out), str(devices), *strategy_kwargs], timeout=300)
-    merged = {}
-    for f in sorted(out.glob("rank*.pt")):
-        merged.update(torch.load(f, weights_only=True))
-    return merged
-
-
-@pytest.fixture(scope="module")
-def reference_grads(tmp_path_factory, worlds):
-    return _grads(worlds, tmp_path_factory.mktemp("grads"), 1, "model.n_layers=6")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
-def test_pp2xdp2_gradients_match_single_process(schedule, reference_grads, tmp_path, worlds):
-    """Gradient-level parity: the zero-bubble x FSDP2 trap moves gradients of one stage by ~1e-3
-    (or drops them), which 5 steps of losses can hide; gradients cannot. Six layers give each of
-    the 4 stages two FSDP units, so a stage has a unit that could reshard after forward (a lone
-    unit is its stage's last and never does)."""
-    ref = reference_grads
-    got = _grads(worlds, tmp_path, 4, "model.n_layers=6", "pp=2", "dp_shard=2", f"pp_schedule={schedule}")
-    assert got.keys() == ref.keys(), sorted(set(ref) ^ set(got))
-    for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -83,6 +83,7 @@ RUN = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "chec
 COMMON = [*RUN, "model.sliding_window=8"]
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 def test_sliding_window_matches_single_process(tmp_path, worlds):
     worlds.train([*COMMON, "cluster.devices=1"], tmp_path / "one")

@@ -26,6 +26,7 @@ def reference(tmp_path_factory, worlds):
     ["cluster.devices=2", "parallel.cp=2"],
     ["cluster.devices=4", "parallel.pp=2", "parallel.tp=2"],
 ], ids=["pp2", "cp2", "pp2xtp2"])
+@pytest.mark.parity
 def test_validation_loss_matches_single_process(layout, reference, tmp_path, worlds):
     assert len(reference) == 1 and reference[0] > 0
     worlds.train([*COMMON, *layout], tmp_path)  # reused gloo worlds (tests/world.py), not fresh interpreters
