@@ -98,3 +98,61 @@ def test_torchrun_requeues_a_preempted_rank_and_finishes(reference, tmp_path):
     assert f"resuming from {tmp_path / 'checkpoints' / f'step-{AT:06d}'}" in proc.stderr, proc.stderr[-5000:]
     got = final_params(tmp_path)
     assert all(torch.equal(got[k], reference[k]) for k in reference), "resumed weights differ from the reference"
+
+
+def test_s3_outage_retries_then_saves_and_exits_for_requeue(tmp_path):
+    """The S3 server stops mid-run: the reader retries (bounded), then every rank saves and the job exits
+    with the one line and the requeue code; the advice is to continue, not to change AWS_ENDPOINT_URL."""
+    import boto3
+    from s3server import S3Server, start_moto
+    from test_data_order import _synthetic_corpus
+
+    from lit_titan.data import prepare_shards, split_corpus, text_corpus
+    from lit_titan.data.remote import OUTAGE_ENV, upload_dir
+    from lit_titan.data.tokenizers import train_bpe_tokenizer
+
+    corpus = text_corpus(_synthetic_corpus(tmp_path / "docs", 120, 300, seed=5))
+    train, val = split_corpus(corpus, 0.05)
+    prepare_shards(train, val, train_bpe_tokenizer(corpus, 512, tmp_path / "tok"), tmp_path / "local",
+                   chunk_tokens=256)  # about one new chunk per step: every step reads from the server
+    server_proc, endpoint = start_moto(tmp_path / "moto.log")  # its own server: this test stops it
+    try:
+        server = S3Server(endpoint, bucket="outage")
+        boto3.client("s3", **server.storage_options()).create_bucket(Bucket=server.bucket)
+        url = server.url()
+        upload_dir(tmp_path / "local", url, server.storage_options())
+        options = ",".join(f"{k}:'{v}'" for k, v in server.storage_options().items())
+        run_dir = tmp_path / "run"
+        cmd = [sys.executable, "-m", "lit_titan.train", *COMMON, "data=tokens", "model.vocab_size=512",
+               f"data.path={url}", f"data.storage_options={{{options}}}", f"data.data_dir={tmp_path / 'cache'}",
+               "fault.kill_rank=0", "fault.at_step=2", "fault.pause=true", f"run_dir={run_dir}"]
+        job = start_job(cmd, env={**os.environ, OUTAGE_ENV: "4"})
+        popen, head = job._popen, []
+        timer = threading.Timer(500, _kill_group, (popen.pid,))
+        timer.start()
+        try:
+            for line in popen.stderr:
+                head.append(line)
+                match = _PAUSED.search(line)
+                if match:
+                    server_proc.terminate()
+                    server_proc.wait(timeout=30)
+                    os.kill(int(match.group(2)), signal.SIGCONT)  # go on, with the server gone
+                    break
+            proc = job.wait(500)
+        finally:
+            timer.cancel()
+    finally:
+        server_proc.kill()
+        server_proc.wait()
+    stderr = "".join(head) + proc.stderr
+    assert proc.returncode == REQUEUE_EXIT_CODE, (proc.returncode, stderr[-5000:])
+    lines = [ln for ln in stderr.splitlines() if "data store outage" in ln]
+    assert len(lines) == 1, stderr[-5000:]
+    match = re.search(rf"the S3 endpoint {re.escape(endpoint)} stopped answering mid-run .*attempts over \d+ s\): "
+                      r"saved the checkpoint of step (\d+) in ", lines[0])
+    assert match and "resume=auto" in lines[0], lines[0]
+    step = int(match.group(1))
+    assert step >= 2 and (run_dir / "checkpoints" / f"step-{step:06d}") in published(run_dir / "checkpoints")
+    validate(run_dir / "checkpoints" / f"step-{step:06d}")
+    assert "AWS_ENDPOINT_URL" not in stderr and "Traceback" not in stderr, stderr[-5000:]

@@ -10,7 +10,8 @@ checkpoint writer raise that ``OSError`` when it starts writing the shards of st
 full disk or a permission change would (the other ranks write normally). ``stage_error`` (``ENOMEM``)
 makes that rank's copy of its state into host memory fail instead, as an exhausted host would.
 ``pause`` makes rank ``kill_rank`` wait at step ``at_step`` (printing its pid) until it receives SIGTERM
-or SIGUSR1: a preemption drill whose signal arrives at a known step, however loaded the machine.
+or SIGUSR1 (a preemption drill whose signal arrives at a known step, however loaded the machine), or
+SIGCONT (go on: e.g. after the drill stopped the data store).
 """
 
 from __future__ import annotations
@@ -70,11 +71,16 @@ class FaultInjection(L.Callback):
 
         if not (self.armed and self._rank == self.kill_rank):
             return
+        go_on: list[int] = []
+        previous = signal.signal(signal.SIGCONT, lambda signum, frame: go_on.append(signum))
         print(f"lit-titan: fault injection: rank {self._rank} (pid {os.getpid()}) paused at step {self.at_step} "
-              "until it receives SIGTERM or SIGUSR1", file=sys.stderr, flush=True)
+              "until it receives SIGTERM or SIGUSR1 (or SIGCONT: go on)", file=sys.stderr, flush=True)
         deadline = time.monotonic() + timeout_s
-        while not stop_requested() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        try:
+            while not stop_requested() and not go_on and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            signal.signal(signal.SIGCONT, previous)
 
     def _on_save(self, staging: Path) -> None:
         if staged_step(staging) == self.at_step:
