@@ -223,8 +223,12 @@ def preflight(url: str, storage_options: dict | None = None, *, timeout_s: float
                           "again") from None
 
 
-def download(url: str, dest: Path, storage_options: dict | None = None) -> int:
+def download(url: str, dest: Path, storage_options: dict | None = None, *, mid_run: bool = False) -> int:
     """Fetch one object to ``dest`` once per node; returns the bytes this call downloaded.
+
+    ``mid_run``: the endpoint served this dataset already (its manifest and index), so a connection
+    that fails is an outage: retried with backoff for ``LIT_TITAN_DATA_OUTAGE_S`` (60 s), then
+    ``DataStoreUnavailable``. Otherwise it is a setting to fix: a ConfigError at once.
 
     Atomic (a process-unique temp file, then ``os.replace``) and under a blocking file lock next to
     ``dest``, so processes sharing a cache directory download each chunk once and a reader never
@@ -250,7 +254,7 @@ def download(url: str, dest: Path, storage_options: dict | None = None) -> int:
             try:
                 return _fetch(downloader, url, tmp, dest)
             except Exception as e:
-                if not _unreachable(e):
+                if not (mid_run and _unreachable(e)):
                     _raise(e, url, storage_options)
                     raise
                 now = time.monotonic()
