@@ -33,8 +33,14 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
     and the file holding its traceback (``report_rank_failure``), exit code 1. ``HYDRA_FULL_ERROR=1``
     (Hydra's own switch) shows the traceback instead.
     """
+    from lit_titan.errors import Preempted
+
     try:
         main()
+    except Preempted as err:  # saved and said (lit_titan/callbacks/preemption.py): the requeue exit code
+        if err.wait_for_parent is not None:
+            wait_for_parent(err.wait_for_parent)
+        _exit(err.code, rank_failures)
     except user_errors as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -53,6 +59,13 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
         report_rank_failure(err)
         _exit(1, rank_failures)
     _exit(0, rank_failures)
+
+
+def wait_for_parent(pid: int, timeout_s: float = 60.0) -> None:
+    """Return once process ``pid`` is no longer this process's parent (it exited), or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while os.getppid() == pid and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _exit(code: int, launched_job: bool) -> None:

@@ -30,4 +30,23 @@ class NonFiniteError(RuntimeError):
     raised_on_every_rank = True  # every rank reaches the same decision: the command line prints it once
 
 
-__all__ = ["NONFINITE_EXIT_CODE", "ConfigError", "NonFiniteError"]
+# EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry". Not 0 (a scheduler
+# reads 0 as done), not 1 (a failure), not 2 (bad input), not 128+N (killed before saving).
+REQUEUE_EXIT_CODE = 75
+
+
+class Preempted(Exception):
+    """The run saved its work and stops to be requeued (a signal, a data-store outage).
+
+    Raised on every rank together after the save (``lit_titan/callbacks/preemption.py``);
+    ``lit_titan.cli.run_entry_point`` exits with ``code``. ``wait_for_parent``: the pid of the
+    launcher this rank must outlive no longer (Lightning's launcher: rank 0's exit code is the job's).
+    """
+
+    def __init__(self, message: str, code: int = REQUEUE_EXIT_CODE, wait_for_parent: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.wait_for_parent = wait_for_parent
+
+
+__all__ = ["NONFINITE_EXIT_CODE", "REQUEUE_EXIT_CODE", "ConfigError", "NonFiniteError", "Preempted"]

@@ -252,6 +252,7 @@ class FaultSchema:
     during_save: bool = key()
     save_error: Optional[str] = key(check=_errno_name)
     stage_error: Optional[str] = key(check=_errno_name)
+    pause: bool = key()
     slow_rank: Optional[int] = key(ge=0)  # issue 27's pre-flight drill
     slow_factor: float = key(gt=0)
     slow_link: Optional[str] = key(choices=("intra_node", "inter_node", "pp", "dp_replicate", "dp_shard", "cp", "tp"))

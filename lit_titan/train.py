@@ -132,8 +132,10 @@ def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] |
     return str(path)
 
 
-def continue_command(cfg: DictConfig, run_dir: Path) -> str | None:
+def continue_command(cfg: DictConfig, run_dir: Path, more_steps: bool = True) -> str | None:
     """The command line that trains this run ``trainer.max_steps`` more steps from its last checkpoint.
+
+    ``more_steps=False``: the command that finishes this run (a preempted one), its steps unchanged.
 
     The user's own overrides (Hydra's record of this job), with ``run_dir`` and ``resume=auto``, the
     doubled ``trainer.max_steps``, and ``optim.total_steps`` pinned to this run's, so the learning
@@ -148,7 +150,7 @@ def continue_command(cfg: DictConfig, run_dir: Path) -> str | None:
     if not cfg.checkpoint.enabled or not HydraConfig.initialized():
         return None
     steps, total = int(cfg.trainer.max_steps), int(cfg.optim.get("total_steps", cfg.trainer.max_steps))
-    replaced = ("run_dir", "resume", "trainer.max_steps", "optim.total_steps")
+    replaced = ("run_dir", "resume", *(("trainer.max_steps", "optim.total_steps") if more_steps else ()))
     hc = HydraConfig.get()
     # Hydra's record of an earlier command of this process (a job, or a --cfg display that never set
     # output_dir: it stays '???'), not ours: no command to print
@@ -158,8 +160,9 @@ def continue_command(cfg: DictConfig, run_dir: Path) -> str | None:
     config_dirs = [arg for source in hc.runtime.config_sources if source.provider == "command-line"
                    for arg in ("--config-dir", str(source.path).removeprefix("file://"))]  # the user's own groups
     own = redact(own, secrets_of(cfg, own))  # credentials as ***: the command is printed, into job logs
+    more = [f"trainer.max_steps={2 * steps}", f"optim.total_steps={total}"] if more_steps else []
     return shlex.join(["python", "-m", "lit_titan.train", *config_dirs, *own, f"run_dir={run_dir}",
-                       "resume=auto", f"trainer.max_steps={2 * steps}", f"optim.total_steps={total}"])
+                       "resume=auto", *more])
 
 
 def _tensorboard_dir(cfg: DictConfig) -> str | None:
@@ -200,6 +203,7 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     import lightning as L
 
     from lit_titan.callbacks import Checkpointing, FaultInjection, RunSummary
+    from lit_titan.callbacks.preemption import Preemption
     from lit_titan.data.progress import DataProgress
     from lit_titan.module import PretrainModule
 
@@ -263,7 +267,10 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
         all_callbacks.append(FaultInjection(kill_rank=int(cfg.fault.kill_rank), at_step=int(cfg.fault.at_step),
                                             during_save=bool(cfg.fault.during_save),
                                             save_error=cfg.fault.get("save_error"),
-                                            stage_error=cfg.fault.get("stage_error")))
+                                            stage_error=cfg.fault.get("stage_error"),
+                                            pause=bool(cfg.fault.get("pause", False))))
+    # SIGTERM/SIGUSR1 on any rank, or the data store gone: save, one line, the requeue exit code
+    all_callbacks.append(Preemption(continue_command=continue_command(cfg, run_dir, more_steps=False)))
     t = cfg.trainer
     accumulation = global_batch // (dims.dp * micro)
     from lightning.pytorch.callbacks import ProgressBar

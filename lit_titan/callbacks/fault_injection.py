@@ -9,6 +9,9 @@ complete checkpoint and finishes. ``during_save`` kills the rank while the check
 checkpoint writer raise that ``OSError`` when it starts writing the shards of step ``at_step``, as a
 full disk or a permission change would (the other ranks write normally). ``stage_error`` (``ENOMEM``)
 makes that rank's copy of its state into host memory fail instead, as an exhausted host would.
+``pause`` makes rank ``kill_rank`` wait at step ``at_step`` (printing its pid) until it receives SIGTERM
+or SIGUSR1 (a preemption drill whose signal arrives at a known step, however loaded the machine), or
+SIGCONT (go on: e.g. after the drill stopped the data store).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from lit_titan.checkpoint.layout import staged_step
 
 class FaultInjection(L.Callback):
     def __init__(self, kill_rank: int, at_step: int, during_save: bool = False, save_error: str | None = None,
-                 stage_error: str | None = None) -> None:
-        self.kill_rank, self.at_step, self.during_save = kill_rank, at_step, during_save
+                 stage_error: str | None = None, pause: bool = False) -> None:
+        self.kill_rank, self.at_step, self.during_save, self.pause = kill_rank, at_step, during_save, pause
         self.save_error, self.stage_error = save_error, stage_error
         for name, value in (("save_error", save_error), ("stage_error", stage_error)):
             if value is not None and not isinstance(getattr(errno, str(value), None), int):
@@ -56,8 +59,28 @@ class FaultInjection(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         drill = self.during_save or self.save_error is not None or self.stage_error is not None
-        if not drill and trainer.global_step == self.at_step:
+        if self.pause and trainer.global_step == self.at_step:
+            self._pause()
+        elif not drill and trainer.global_step == self.at_step:
             self._kill(f"at step {self.at_step}")
+
+    def _pause(self, timeout_s: float = 600.0) -> None:
+        import time
+
+        from lit_titan.callbacks.preemption import stop_requested
+
+        if not (self.armed and self._rank == self.kill_rank):
+            return
+        go_on: list[int] = []
+        previous = signal.signal(signal.SIGCONT, lambda signum, frame: go_on.append(signum))
+        print(f"lit-titan: fault injection: rank {self._rank} (pid {os.getpid()}) paused at step {self.at_step} "
+              "until it receives SIGTERM or SIGUSR1 (or SIGCONT: go on)", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not stop_requested() and not go_on and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            signal.signal(signal.SIGCONT, previous)
 
     def _on_save(self, staging: Path) -> None:
         if staged_step(staging) == self.at_step:

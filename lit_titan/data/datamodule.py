@@ -26,6 +26,7 @@ from lit_titan.data.checks import SHARD_KINDS, check_batch_sizes, check_settings
 from lit_titan.data.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus, split_corpus
 from lit_titan.data.prepare import prepare_shards
 from lit_titan.data.shards import ShardSplit, is_remote
+from lit_titan.data.step_ahead import StepAheadLoader
 from lit_titan.data.sources import Source, check_tokenizer, data_fingerprint, open_sources, shards_tokenizer
 from lit_titan.data.tokenizers import TOKENIZER_KINDS, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_fingerprint
 from lit_titan.errors import ConfigError
@@ -317,7 +318,9 @@ class PretrainDataModule(L.LightningDataModule):
         max_steps = getattr(self.trainer, "max_steps", -1) if self.trainer is not None else -1
         steps = max_steps if max_steps and max_steps > 0 else self.train_batches.steps_per_epoch
         accumulation = self._accumulation()
-        return self._loader(dataset, StepSampler(step * accumulation, steps * accumulation))
+        loader = self._loader(dataset, StepSampler(step * accumulation, steps * accumulation), StepAheadLoader)
+        loader.accumulation = accumulation
+        return loader
 
     def _eos_id(self) -> int | None:
         return self.train_splits[0].eos_id if self.document_positions else None
@@ -347,10 +350,10 @@ class PretrainDataModule(L.LightningDataModule):
                                    positions_eos_id=self._eos_id(), documents_eos_id=self._documents_eos_id())
         return self._loader(dataset, FixedSampler(range(steps)))
 
-    def _loader(self, dataset: RankMicroBatches, sampler: Any) -> DataLoader:
+    def _loader(self, dataset: RankMicroBatches, sampler: Any, kind: type[DataLoader] = DataLoader) -> DataLoader:
         # Persistent workers: the sampler (and so the order) lives in this process, and a spawned
         # worker (remote data) costs seconds of imports, which a new epoch should not pay again.
-        return DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
+        return kind(dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
                           pin_memory=self._pin_memory(), persistent_workers=self.num_workers > 0,
                           multiprocessing_context="spawn" if self.num_workers and is_remote(
                               self.train_splits[0].root) else None)

@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import shlex
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +33,19 @@ _CREDENTIAL_KEYS = ("AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or data.storage_op
 # Chunk downloads and uploads: patient with a slow store, yet bounded against a dead one.
 _TRANSFER_TIMEOUT_S = 60.0
 _TRANSFER_ATTEMPTS = 5
+# An endpoint that served this run and stops answering (an outage, not a setting): chunk downloads
+# go on retrying, waiting 1, 2, 4, 8, 16, 16 ... s between tries, for this long after the first
+# failure, then give up with DataStoreUnavailable (the run saves and exits for a requeue).
+OUTAGE_ENV = "LIT_TITAN_DATA_OUTAGE_S"
+_OUTAGE_S = 60.0
+
+
+class DataStoreUnavailable(RuntimeError):
+    """The S3 endpoint stopped answering in the middle of a run, after bounded retries.
+
+    Not a ConfigError: the endpoint answered before (the manifest and indexes came from it), so the
+    advice is to wait for it and continue, not to change a setting.
+    """
 
 
 def is_remote(path: str | os.PathLike[str]) -> bool:
@@ -169,6 +183,16 @@ def _explain(exc: BaseException, url: str, storage_options: dict | None) -> Conf
                        f"an S3-compatible endpoint?")
 
 
+def _unreachable(exc: BaseException) -> bool:
+    """A connection that failed or timed out (the endpoint is down), not an answer from it."""
+    from botocore import exceptions as be
+    from obstore import exceptions as oe
+
+    return (isinstance(exc, (be.EndpointConnectionError, be.ConnectTimeoutError, be.ReadTimeoutError,
+                             be.ConnectionClosedError, ConnectionError, TimeoutError))
+            or (isinstance(exc, oe.GenericError) and "error sending request" in str(exc)))
+
+
 def _raise(exc: BaseException, url: str, storage_options: dict | None) -> None:
     # boto3's upload_file wraps the ClientError that says why (S3UploadFailedError).
     explained = _explain(exc, url, storage_options) or (exc.__context__ and _explain(exc.__context__, url,
@@ -201,8 +225,12 @@ def preflight(url: str, storage_options: dict | None = None, *, timeout_s: float
                           f"{shlex.quote(f'out={url}')}` again") from None
 
 
-def download(url: str, dest: Path, storage_options: dict | None = None) -> int:
+def download(url: str, dest: Path, storage_options: dict | None = None, *, mid_run: bool = False) -> int:
     """Fetch one object to ``dest`` once per node; returns the bytes this call downloaded.
+
+    ``mid_run``: the endpoint served this dataset already (its manifest and index), so a connection
+    that fails is an outage: retried with backoff for ``LIT_TITAN_DATA_OUTAGE_S`` (60 s), then
+    ``DataStoreUnavailable``. Otherwise it is a setting to fix: a ConfigError at once.
 
     Atomic (a process-unique temp file, then ``os.replace``) and under a blocking file lock next to
     ``dest``, so processes sharing a cache directory download each chunk once and a reader never
@@ -220,23 +248,39 @@ def download(url: str, dest: Path, storage_options: dict | None = None) -> int:
     with FileLock(f"{dest}.fetch.lock"):
         if dest.exists():
             return 0
-        tmp = dest.with_name(f"{dest.name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
-            # litdata writes into ``tmp`` via its own temp + rename (obstore GET, or boto3 after fork).
-            downloader.download_file(url, str(tmp))
-            if not tmp.exists():  # litdata swallows FileNotFoundError (a missing object, from obstore)
-                bucket, key = _split(url)
-                downloader._client.client.head_object(Bucket=bucket, Key=key)  # raises the real reason
-                raise RuntimeError(f"litdata returned without writing {url}")
-            size = tmp.stat().st_size
-            os.replace(tmp, dest)
-            return size
-        except Exception as e:
-            _raise(e, url, storage_options)
-            raise
-        finally:
-            for leftover in (tmp, Path(f"{tmp}.lock")):
-                leftover.unlink(missing_ok=True)
+        budget_s = float(os.environ.get(OUTAGE_ENV) or _OUTAGE_S)
+        first_failure, attempts = None, 0
+        while True:
+            tmp = dest.with_name(f"{dest.name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            attempts += 1
+            try:
+                return _fetch(downloader, url, tmp, dest)
+            except Exception as e:
+                if not (mid_run and _unreachable(e)):
+                    _raise(e, url, storage_options)
+                    raise
+                now = time.monotonic()
+                first_failure = first_failure or now
+                if now - first_failure >= budget_s:
+                    raise DataStoreUnavailable(
+                        f"the S3 endpoint {_endpoint(storage_options)} stopped answering mid-run ({url}: "
+                        f"{type(e).__name__}, {attempts} attempts over {now - first_failure:.0f} s)") from None
+                time.sleep(min(2.0 ** (attempts - 1), 16.0, max(0.0, first_failure + budget_s - now)))
+            finally:
+                for leftover in (tmp, Path(f"{tmp}.lock")):
+                    leftover.unlink(missing_ok=True)
+
+
+def _fetch(downloader: Any, url: str, tmp: Path, dest: Path) -> int:
+    # litdata writes into ``tmp`` via its own temp + rename (obstore GET, or boto3 after fork).
+    downloader.download_file(url, str(tmp))
+    if not tmp.exists():  # litdata swallows FileNotFoundError (a missing object, from obstore)
+        bucket, key = _split(url)
+        downloader._client.client.head_object(Bucket=bucket, Key=key)  # raises the real reason
+        raise RuntimeError(f"litdata returned without writing {url}")
+    size = tmp.stat().st_size
+    os.replace(tmp, dest)
+    return size
 
 
 def check_bucket(url: str, storage_options: dict | None = None, *, timeout_s: float = 20.0) -> None:

@@ -113,7 +113,9 @@ class ShardSplit:
 
         dest = self.cache_dir / name
         if not dest.is_file():
-            self.bytes_read += remote.download(_join(self.root, self.split, name), dest, self.storage_options)
+            # mid_run: this split's index came from the same endpoint, so a failed connection is an outage
+            self.bytes_read += remote.download(_join(self.root, self.split, name), dest, self.storage_options,
+                                               mid_run=True)
         return dest
 
     def _map(self, chunk: int) -> np.memmap:

@@ -6,7 +6,7 @@ Counting wrappers call through to the real functions (nothing is mocked):
   live on the CPU whatever the accelerator;
 - collectives: every ``torch.distributed`` collective, except those issued from the model's own
   parallelism (FSDP, DTensor/TP, pipelining, the grad-norm reduction that clipping needs; the same
-  files' host reads are theirs too);
+  files' host reads are theirs too) and the preemption agreement (a CPU tensor on gloo, no host sync);
 - ``LightningModule.log`` calls: each logs a value, and a Python number becomes a blocking
   host-to-device copy on a GPU.
 Each event is charged to the optimizer step (1-based) whose batch Lightning's training loop is running.
@@ -44,6 +44,9 @@ MODEL_OWN = ("torch/distributed/fsdp/", "torch/distributed/tensor/", "torch/dist
 # counters on the CPU (unless capturable or fused, which read none), the DataLoader draws its seed
 # from a CPU generator. Reads from anywhere else would wait for the GPU.
 HOST_SIDE = ("torch/optim/", "torch/utils/data/")
+# Collectives of CPU tensors on a gloo group, once per optimizer step by design: no device work and no
+# host sync on any accelerator (the preemption agreement: docs/fault_tolerance.md "Preemption").
+HOST_ONLY_COLLECTIVES = ("lit_titan/callbacks/preemption.py",)
 C10D = ("torch/distributed/distributed_c10d.py", "torch/distributed/c10d_logger.py")
 _SELF = os.path.abspath(__file__)
 
@@ -73,6 +76,8 @@ class SyncCounter(L.Callback):
         if kind != "logs" and any(own in owner for own in MODEL_OWN):
             return  # e.g. torch's pipeline stages exchange their shapes on the first step
         if kind == "host_reads" and any(ok in direct for ok in HOST_SIDE):
+            return
+        if kind == "collectives" and any(ok in direct for ok in HOST_ONLY_COLLECTIVES):
             return
         self.counts[self.step][kind] += 1
         if self.step:
