@@ -4,7 +4,8 @@ Protocol of one save (every rank calls :meth:`CheckpointWriter.save` at the same
 1. the previous save is waited for; if it failed on any rank, every rank raises (below);
 2. the ranks sum their state bytes; rank 0 checks the free space, counting the oldest complete
    checkpoints that it will prune *before* writing (``disk.py``: peak ``keep_last`` checkpoints;
-   deleted by the writing thread before any rank writes a shard), and creates
+   deleted by the writing thread before any rank writes a shard, and only once every rank found the
+   state it writes finite: ``finite.py``), and creates
    ``step-XXXXXX.partial/``; every rank learns rank 0's verdict;
 3. each rank writes its RNG state, rank 0 writes ``meta.pt`` (loop, scheduler, data-loader state);
 4. the state is copied once into CPU buffers allocated at the first save and reused
