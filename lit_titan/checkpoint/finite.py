@@ -4,13 +4,14 @@ The non-finite guard stops training before a NaN/Inf update, so such a state sho
 training; this check covers the rest (the guard disabled, a state that was already bad when it was
 loaded, a subclass's own update) at the one place that matters: before a save plans its pruning.
 
-Where it is cheapest: on the training thread, on the live state where it lives (the GPU's memory
-bandwidth, not the host's over the staged CPU copy), at the start of the save, whose first
-collective (the ranks' state sizes) carries the verdict: no collective of its own. One 2-norm per
-floating tensor through ``torch._foreach_norm`` (a NaN or Inf anywhere makes it non-finite; the
-fastest full read measured on CPU: 0.1-0.4 of a copy of the same bytes, against 2-15 for
-``ord=inf``), read back once; a tensor whose norm is not finite is confirmed with ``isfinite``
-(finite values whose squares overflow are not refused).
+Where: in the writing thread (DCP's local plan, ``writer._FileSystemWriter``), on what the rank
+writes: for an asynchronous save its staged CPU copy, so the training loop waits for nothing more
+(on the training thread it cost 0.1-0.4 of a copy of the state on CPU). The pruning that makes room
+for the save runs in DCP's global plan, which DCP's coordinator runs only when every rank's local
+plan succeeded. One 2-norm per floating tensor through ``torch._foreach_norm`` (a NaN or Inf
+anywhere makes it non-finite; the fastest full read measured on CPU, ``ord=inf`` was 2-15x slower),
+read back once; a tensor whose norm is not finite is confirmed with ``isfinite`` (finite values
+whose squares overflow are not refused).
 """
 
 from __future__ import annotations

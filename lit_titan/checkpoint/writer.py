@@ -4,7 +4,8 @@ Protocol of one save (every rank calls :meth:`CheckpointWriter.save` at the same
 1. the previous save is waited for; if it failed on any rank, every rank raises (below);
 2. the ranks sum their state bytes; rank 0 checks the free space, counting the oldest complete
    checkpoints that it will prune *before* writing (``disk.py``: peak ``keep_last`` checkpoints;
-   deleted by the writing thread before any rank writes a shard), and creates
+   deleted by the writing thread before any rank writes a shard, and only once every rank found the
+   state it writes finite: ``finite.py``), and creates
    ``step-XXXXXX.partial/``; every rank learns rank 0's verdict;
 3. each rank writes its RNG state, rank 0 writes ``meta.pt`` (loop, scheduler, data-loader state);
 4. the state is copied once into CPU buffers allocated at the first save and reused
@@ -93,19 +94,31 @@ class SaveRecord:
 
 
 class _FileSystemWriter(FileSystemWriter):
-    """DCP's file writer, with work done in the writing thread: ``prune`` (the checkpoints that
-    make room for this one) before this rank's local plan, so before every rank's write (DCP
-    gathers all local plans first); ``hooks`` just before this rank writes its shards; after them,
-    the CRC-32 of every file this rank wrote (also off the training loop: in an async save this is
-    the background thread, and DCP gathers its errors like a write error)."""
+    """DCP's file writer, with work done in the writing thread: each rank checks that the state it
+    writes is finite in its local plan; ``prune`` (the checkpoints that make room for this one,
+    rank 0's) in the global plan, which DCP's coordinator runs only once every rank's local plan
+    succeeded, so before any rank writes and never for a non-finite state; ``hooks`` just before
+    this rank writes its shards; after them, the CRC-32 of every file this rank wrote (also off the
+    training loop: in an async save this is the background thread, and DCP gathers its errors like
+    a write error)."""
 
-    def __init__(self, path: Path, hooks: list[WriteHook], prune: list[Path], rank: int) -> None:
+    def __init__(self, path: Path, hooks: list[WriteHook], prune: list[Path], state: dict[str, Any] | None = None,
+                 rank: int = 0) -> None:
         super().__init__(str(path))
-        self._staging, self._hooks, self._prune, self._rank = path, list(hooks), list(prune), rank
+        self._staging, self._hooks, self._prune = path, list(hooks), list(prune)
+        self._state, self._rank = state, rank
 
     def prepare_local_plan(self, plan: Any) -> Any:
-        disk.remove(self._prune)  # deleting GBs of files takes seconds on some filesystems: not in the training loop
+        # here, off the training thread for an asynchronous save (its staged copy): lit_titan/checkpoint/finite.py
+        bad = first_nonfinite(self._state) if self._state is not None else None
+        self._state = None
+        if bad:
+            raise NonFiniteError(_nonfinite_message(self._staging, bad, self._rank))
         return super().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        disk.remove(self._prune)  # deleting GBs of files takes seconds on some filesystems: not in the training loop
+        return super().prepare_global_plan(plans)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         for hook in self._hooks:  # fault drills raise OSError(ENOSPC) here, as a full disk would
@@ -170,13 +183,14 @@ class CheckpointWriter:
         dist.all_gather_object(out, value, group=group)
         return out
 
-    def _agree(self, error: str | None, *, rank: int, cleanup: Path | None = None) -> None:
+    def _agree(self, error: str | None, *, rank: int, cleanup: Path | None = None,
+               kind: type[Exception] = CheckpointError) -> None:
         """Collective: if any rank has an error, every rank raises the first one (rank 0 removes ``cleanup``)."""
         failed = [e for e in self._gather(error) if e]
         if failed:
             if rank == 0 and cleanup is not None:
                 shutil.rmtree(cleanup, ignore_errors=True)
-            error = CheckpointError(failed[0])
+            error = kind(failed[0])
             error.raised_on_every_rank = True  # the command line prints it once (rank 0)
             raise error
 
@@ -210,10 +224,7 @@ class CheckpointWriter:
         start = time.perf_counter()
         staging = partial_path(final)
         mine = local_bytes(state)
-        # with the sizes' gather, each rank's first NaN/Inf tensor: refused before anything is pruned or written
-        sizes = self._gather((mine, sum(1 for _ in local_tensors(state)), first_nonfinite(state)))
-        total, count = sum(x[0] for x in sizes), sum(x[1] for x in sizes)
-        _refuse_nonfinite(final, [x[2] for x in sizes])
+        total, count = (sum(x) for x in zip(*self._gather((mine, sum(1 for _ in local_tensors(state))))))
         need = disk.checkpoint_disk_bytes(total, count, world_size)
         error, to_prune = None, []
         if rank == 0:
@@ -241,7 +252,7 @@ class CheckpointWriter:
         prepared = time.perf_counter()
         import torch.distributed.checkpoint as dcp
 
-        writer = _FileSystemWriter(staging, self.on_write_data, to_prune, rank)
+        writer = _FileSystemWriter(staging, self.on_write_data, to_prune, rank=rank)
         group = self.process_group()
         record = SaveRecord(final.name, mine, total, 0, 0.0, 0.0, prepare_s=prepared - start)
         finished: Future = Future()
@@ -257,12 +268,14 @@ class CheckpointWriter:
             except Exception as err:  # MemoryError, RuntimeError (pinning), OSError
                 error = self._stage_failure(err, final, mine, rank)
             self._agree(error, rank=rank, cleanup=staging)
+            writer._state = staged  # checked for NaN/Inf in the writing thread, before anything is pruned
             upload = dcp.async_save(staged, storage_writer=writer, process_group=group, async_stager=_AlreadyStaged())
             upload = getattr(upload, "upload_completion", upload)  # AsyncSaveResponse on newer torch
             record.stage_s, record.allocated_bytes = self._stager.last_stage_s, self._stager.allocated_bytes
         else:
             upload = Future()
             try:
+                writer._state = state
                 upload.set_result(dcp.save(state, storage_writer=writer, process_group=group))
             except _SAVE_ERRORS as err:
                 upload.set_exception(err)
@@ -290,7 +303,9 @@ class CheckpointWriter:
             error, err = self._failure(caught, pending.final, pending.need, "could not be written"), caught
         if agree:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-            self._agree(error, rank=rank, cleanup=pending.staging)
+            refused = err is not None and isinstance(_root_cause(err)[1], NonFiniteError)  # DCP told every rank
+            self._agree(str(_root_cause(err)[1]) if refused else error, rank=rank, cleanup=pending.staging,
+                        kind=NonFiniteError if refused else CheckpointError)
         elif error and not is_peer_failure(_root_cause(err)[1]):  # a dead peer: the command line's one line says it
             print(f"lit-titan: {error}", file=sys.stderr)
 
@@ -353,16 +368,12 @@ class CheckpointWriter:
         prune(final.parent, self.keep_last)
 
 
-def _refuse_nonfinite(final: Path, bad: list[str | None]) -> None:
-    """Raise ``NonFiniteError`` on every rank (they all see the same gathered list) if any rank's state is not finite."""
-    ranks = [r for r, key in enumerate(bad) if key]
-    if not ranks:
-        return
-    previous = published(final.parent)
+def _nonfinite_message(staging: Path, key: str, rank: int) -> str:
+    final = staging.name.removesuffix(".partial")
+    previous = published(staging.parent)
     kept = f"every complete checkpoint is kept (newest {previous[-1].name})" if previous else "no earlier checkpoint"
-    raise NonFiniteError(f"checkpoint {final.name} not written: the state is not finite ({bad[ranks[0]]} holds NaN/Inf "
-                         f"on rank {ranks[0]}{f' and {len(ranks) - 1} more' if len(ranks) > 1 else ''}); nothing was "
-                         f"pruned, {kept}; resume=auto from it with a lower optim.lr, and keep nonfinite.enabled=true")
+    return (f"checkpoint {final} not written: the state is not finite ({key} holds NaN/Inf on rank {rank}); nothing "
+            f"was pruned, {kept}; resume=auto from it with a lower optim.lr, and keep nonfinite.enabled=true")
 
 
 def _root_cause(err: BaseException) -> tuple[int | None, BaseException]:
