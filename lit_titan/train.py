@@ -13,14 +13,26 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lit_titan.checkpoint import CheckpointError
 from lit_titan.cli import is_launcher_rank_zero
 from lit_titan.config import RUN_DIR_ENV, ConfigError, default_run_dir, model_overrides, to_yaml, validate
-from lit_titan.callbacks.preflight import PreflightError
-from lit_titan.strategies.parallel_dims import LayoutError
 
-# Errors that mean "fix your input" (or, PreflightError, "fix your fleet"): one line, no traceback, exit code 2.
-USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError, CheckpointError, PreflightError)
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "fix your input" (or, PreflightError, "fix your fleet"): one line, no traceback, exit code 2.
+
+    A function, not a constant: their modules import torch and Lightning, which ``--help`` must not wait for.
+    """
+    from lit_titan.callbacks.preflight import PreflightError
+    from lit_titan.checkpoint import CheckpointError
+    from lit_titan.strategies.parallel_dims import LayoutError
+
+    return (ConfigError, LayoutError, FileNotFoundError, CheckpointError, PreflightError)
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: `from lit_titan.train import USER_ERRORS` as before
+    if name == "USER_ERRORS":
+        return user_errors()
+    raise AttributeError(f"module 'lit_titan.train' has no attribute {name!r}")
 
 
 def resolve_run_dir(cfg: DictConfig) -> Path:
@@ -275,4 +287,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     from lit_titan.cli import run_entry_point
 
-    run_entry_point(main, USER_ERRORS, rank_failures=True)
+    run_entry_point(main, user_errors, rank_failures=True)

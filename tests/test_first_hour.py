@@ -174,6 +174,28 @@ def test_lit_titan_help_lists_every_subcommand(capsys):
     assert "llama3_405b" in capsys.readouterr().out  # export's --model lists the flavors of conf/model/
 
 
+def test_help_imports_neither_torch_nor_lightning():
+    """`python -m lit_titan.train --help` and `lit-titan --help` answer without the training stack.
+
+    What is asserted is the cause of a slow answer (torch and Lightning take seconds to import), not
+    a wall-clock bound, which a loaded machine would break: one fresh interpreter runs both help paths
+    as the command line does, then lists what they imported.
+    """
+    code = ("import contextlib, io, runpy, sys\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    sys.argv = ['lit_titan.train', '--help']\n"
+            "    runpy.run_module('lit_titan.train', run_name='__main__')\n"
+            "    try:\n"
+            "        runpy.run_module('lit_titan.cli', run_name='__main__')\n"
+            "    except SystemExit as done:\n"
+            "        assert done.code == 0, done.code\n"
+            "assert '== Config groups' in out.getvalue() and 'commands:' in out.getvalue(), out.getvalue()\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'numpy', 'litdata'}))\n")
+    proc = run_job([sys.executable, "-c", code], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
 # Each command of README's "First hour" section -> where the tests run it.
 README_COMMANDS = {
     "python -m lit_titan.train data=text data.path=my_texts/ trainer.max_steps=200":
