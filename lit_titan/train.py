@@ -217,7 +217,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     global_batch = int(cfg.data.global_batch_size)
     micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)
     summary = RunSummary(run_dir=str(run_dir), continue_command=continue_command(cfg, run_dir),
-                         tensorboard_dir=_tensorboard_dir(cfg))
+                         tensorboard_dir=_tensorboard_dir(cfg),
+                         checkpoint_dir=str(run_dir / "checkpoints") if cfg.checkpoint.enabled else None)
     configured = [_instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     all_callbacks = [summary, DataProgress(), *configured, *(callbacks or [])]
     if (cfg.get("preflight") or {}).get("enabled"):  # first: it may end the job before the others act

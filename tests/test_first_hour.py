@@ -247,17 +247,29 @@ def test_csv_logger_warns_only_when_it_would_replace_metrics(tmp_path):
     assert not (tmp_path / "metrics.csv").exists()
 
 
-def test_end_lines_name_tensorboard_and_mfu_when_known():
+def test_end_lines_name_tensorboard_and_mfu_when_known_and_only_outputs_that_exist(tmp_path):
     from lit_titan.callbacks import RunSummary
     from lit_titan.config import compose
     from lit_titan.train import _tensorboard_dir
 
-    tensorboard = _tensorboard_dir(compose(["logger=[csv,tensorboard]", "run_dir=/runs/a"]))
-    assert tensorboard == "/runs/a/tensorboard" and _tensorboard_dir(compose(["run_dir=/runs/a"])) is None
-    summary = RunSummary("/runs/a", continue_command=None, tensorboard_dir=tensorboard)
-    summary.summary = {"steps": 3, "tokens": 12288, "final_loss": 8.7, "tokens_per_second": 192.5,
-                       "train_seconds": 63.8, "mfu": 0.412}
+    run = tmp_path / "a"
+    tensorboard = _tensorboard_dir(compose(["logger=[csv,tensorboard]", f"run_dir={run}"]))
+    assert tensorboard == f"{run}/tensorboard" and _tensorboard_dir(compose([f"run_dir={run}"])) is None
+    figures = {"steps": 3, "tokens": 12288, "final_loss": 8.7, "tokens_per_second": 192.5, "train_seconds": 63.8,
+               "mfu": 0.412}
+    # No checkpoints (checkpoint.enabled=false) and a TensorBoard logger that has not written: neither is named.
+    summary = RunSummary(str(run), continue_command=None, tensorboard_dir=tensorboard)
+    summary.summary = figures
     lines = summary.lines()
     assert lines[0] == "lit-titan: 3 steps, 12,288 tokens, final train/loss 8.7000, 192.5 tokens/s over 63.8 s, MFU 41.2%"
-    assert "lit-titan: TensorBoard: tensorboard --logdir /runs/a/tensorboard" in lines
+    assert lines[1] == f"lit-titan: outputs in {run} (metrics.csv)"
+    assert not any("tensorboard" in line.lower() for line in lines)
     assert not any("more step" in line for line in lines)  # no checkpoint to continue from: no command
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    summary = RunSummary(str(run), continue_command="python -m lit_titan.train resume=auto",
+                         tensorboard_dir=tensorboard, checkpoint_dir=str(run / "checkpoints"))
+    summary.summary = figures
+    lines = summary.lines()
+    assert lines[1] == f"lit-titan: outputs in {run} (metrics.csv, config.yaml, checkpoints/, tensorboard/)"
+    assert f"lit-titan: TensorBoard: tensorboard --logdir {run}/tensorboard" in lines

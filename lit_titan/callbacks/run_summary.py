@@ -8,6 +8,7 @@ command that trains this run further from its last checkpoint.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
@@ -19,14 +20,19 @@ class RunSummary(L.Callback):
     """Collects the run summary (``self.summary``, returned by ``lit_titan.train.main``) and prints it.
 
     ``continue_command``: the command line that resumes this run with more steps (built by the entry
-    point, which knows the user's overrides); ``tensorboard_dir``: set when a TensorBoard logger is on.
+    point, which knows the user's overrides); ``tensorboard_dir``: set when a TensorBoard logger is on;
+    ``checkpoint_dir``: where the run saves checkpoints (None: it saves none).
+
+    The outputs named are those the run has written, or writes after this callback's ``on_train_end``
+    (the final checkpoint, the CSV logger's last flush): never a directory that will not be there.
     """
 
     def __init__(self, run_dir: str | None = None, continue_command: str | None = None,
-                 tensorboard_dir: str | None = None) -> None:
+                 tensorboard_dir: str | None = None, checkpoint_dir: str | None = None) -> None:
         self.run_dir = run_dir
         self.continue_command = continue_command
         self.tensorboard_dir = tensorboard_dir
+        self.checkpoint_dir = checkpoint_dir
         self.summary: dict = {}
         self._t0: float | None = None
         self._steps0 = 0
@@ -66,11 +72,21 @@ class RunSummary(L.Callback):
         if s.get("mfu") is not None:
             figures += f", MFU {100 * s['mfu']:.1f}%"
         out = [f"lit-titan: {figures}",
-               f"lit-titan: outputs in {self.run_dir} (metrics.csv, config.yaml, checkpoints/)",
+               f"lit-titan: outputs in {self.run_dir} ({', '.join(self.outputs())})",
                f"lit-titan: see the metrics: lit-titan report {self.run_dir}  (writes report.html there)"]
-        if self.tensorboard_dir:
+        if self.tensorboard_dir and Path(self.tensorboard_dir).is_dir():
             out.append(f"lit-titan: TensorBoard: tensorboard --logdir {self.tensorboard_dir}")
         if self.continue_command:
             more = f"{s['steps']} more step" + ("s" if s["steps"] != 1 else "")
             out.append(f"lit-titan: train {more} from the last checkpoint: {self.continue_command}")
         return out
+
+    def outputs(self) -> list[str]:
+        """The run directory's outputs, as named on the summary line."""
+        run = Path(self.run_dir or ".")
+        names = ["metrics.csv"]  # the CSV logger every run has (train.build_loggers) writes it at the latest on teardown
+        names += ["config.yaml"] if (run / "config.yaml").is_file() else []
+        names += [f"{Path(self.checkpoint_dir).name}/"] if self.checkpoint_dir else []  # the last is saved after us
+        tb = Path(self.tensorboard_dir) if self.tensorboard_dir else None
+        names += [f"{tb.name}/"] if tb is not None and tb.parent == run and tb.is_dir() else []
+        return names
