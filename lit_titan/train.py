@@ -46,6 +46,21 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
     return path
 
 
+def with_flavor(cfg: DictConfig, args: Any) -> DictConfig:
+    """A copy of ``cfg`` whose ``model.*`` keys left null hold the flavor's values (``args``, the ModelArgs).
+
+    What config.yaml records: the model's shape is read there, not looked up in the flavor table of
+    the lit-titan version that ran. The same ModelArgs result from it (export, calibration, resume).
+    """
+    from lit_titan.config import MODEL_ARG_KEYS
+
+    out = cfg.copy()
+    for key in MODEL_ARG_KEYS:
+        if key in out.model and out.model[key] is None and getattr(args, key, None) is not None:
+            out.model[key] = getattr(args, key)
+    return out
+
+
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
     """The ``logger`` nodes (conf/logger/, or a user's ``_target_``) through hydra.utils.instantiate.
 
@@ -199,7 +214,7 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     OmegaConf.update(cfg, "run_dir", str(run_dir))
     if is_launcher_rank_zero():
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        (run_dir / "config.yaml").write_text(to_yaml(with_flavor(cfg, args)))
     if resume:
         archive_metrics(run_dir)
     from lit_titan.observe import flight_recorder

@@ -7,13 +7,16 @@ command that trains this run further from its last checkpoint.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
-__all__ = ["RunSummary"]
+__all__ = ["RunSummary", "SUMMARY_FILE"]
+
+SUMMARY_FILE = "summary.json"  # the run's figures (parameters, layout, steps, tokens, wall time), written at its end
 
 
 class RunSummary(L.Callback):
@@ -48,7 +51,14 @@ class RunSummary(L.Callback):
         tokens_per_step = getattr(pl_module, "_tokens_per_step", 0)
         loss = trainer.callback_metrics.get("train/loss")
         mfu = trainer.callback_metrics.get("perf/mfu")
+        from lit_titan.callbacks.throughput import count_params
+
+        args = getattr(pl_module, "model_args", None)
+        dims = getattr(trainer.strategy, "parallel_dims", None)
         self.summary = {
+            "parameters": count_params(args) if args is not None else None,
+            "layout": {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} if dims else None,
+            "world_size": trainer.world_size,
             "steps": trainer.global_step,
             "tokens": trainer.global_step * tokens_per_step,
             "final_loss": float(loss) if loss is not None else None,
@@ -60,6 +70,8 @@ class RunSummary(L.Callback):
             "cluster_environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
             "continue_command": self.continue_command,
         }
+        if trainer.is_global_zero and self.run_dir:  # what `lit-titan report` shows beside the curves
+            (Path(self.run_dir) / SUMMARY_FILE).write_text(json.dumps(self.summary, indent=1) + "\n")
         rank_zero_info("\n" + "\n".join(self.lines()))
 
     def lines(self) -> list[str]:
