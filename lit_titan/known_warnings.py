@@ -69,12 +69,20 @@ KNOWN_LOG_LINES = (
                  "of a recipe with float8, every run with callbacks=[float8]); torch still accepts it, and only "
                  "torchao can drop the call",
           seen_with="torchao 0.18.0, torch 2.15"),
+    Known(module=r"torch\.distributed\.tensor\._redistribute",
+          message=r"While redistributing from \(_NormPartial",
+          reason="the gradient norm for clipping (strategies/grad_norm.py) under FSDP x TP is a scalar partial "
+                 "over two mesh dimensions, reduced by two all-reduces of one number instead of one: every rank "
+                 "receives the same result (the losses match one device: tests/test_parallel.py); printed once "
+                 "per rank, nothing a user can change (flattening the mesh for it is the strategy's job)",
+          seen_with="torch 2.15"),
 )
 
 # The loggers the known log lines come from (a logging filter acts on the records of its own logger).
 # rank_zero_info logs through the logger of the rank_zero module that imported last (fabric's, then
 # pytorch's), so both carry the filter.
-_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero", "torch.utils._pytree")
+_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero", "torch.utils._pytree",
+            "torch.distributed.tensor._redistribute")
 
 
 class _DropKnown(logging.Filter):

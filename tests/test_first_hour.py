@@ -115,6 +115,22 @@ def test_known_warnings_hide_exactly_the_listed_messages():
     assert [(str(w.message)[:20], w.filename) for w in seen] == [(text[:20], "mine.py"), ("something new", "_pytree.py")]
 
 
+def test_known_log_lines_of_torch_are_dropped_and_others_kept(caplog):
+    """torchao's enum registration (every plan with Float8) and DTensor's per-rank note on the grad norm."""
+    import logging
+
+    import lit_titan  # noqa: F401 - installs the filters
+
+    pytree, redistribute = logging.getLogger("torch.utils._pytree"), logging.getLogger("torch.distributed.tensor._redistribute")
+    with caplog.at_level(logging.WARNING):
+        pytree.warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value "
+                       "type.", "<enum 'KernelPreference'>")
+        redistribute.warning("While redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to (Replicate(), "
+                             "Replicate()), 2 sequential all_reduce operations will be performed.")
+        redistribute.warning("While redistributing from (Shard(0),) to (Replicate(),), something new")
+    assert [r.getMessage()[-13:] for r in caplog.records] == ["something new"]
+
+
 def _conf_groups_on_disk() -> dict[str, list[str]]:
     """Every directory of conf/ holding yaml files, and its files: read here independently of lit_titan.usage."""
     from lit_titan.config import conf_dir
