@@ -22,12 +22,16 @@ COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": 
 QUIET_RANK_EXIT_DELAY_S = 5.0  # see report_user_error
 
 
-def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseException], ...],
+def run_entry_point(main: Callable[[], Any],
+                    user_errors: tuple[type[BaseException], ...] | Callable[[], tuple[type[BaseException], ...]],
                     rank_failures: bool = False) -> None:
     """Run an entry point's ``main``; an error in the user's input is one line and exit code 2.
 
     An exception with an ``exit_code`` (a stop every rank decided on, e.g. ``NonFiniteError``) is
     one line and that code.
+
+    ``user_errors``: the exception types, or a function returning them, called only when ``main``
+    raises (their modules may be slow to import, and ``--help`` should not wait for them).
 
     ``rank_failures``: in a job of several processes, any other exception is one line naming the rank
     and the file holding its traceback (``report_rank_failure``), exit code 1. ``HYDRA_FULL_ERROR=1``
@@ -41,7 +45,7 @@ def run_entry_point(main: Callable[[], Any], user_errors: tuple[type[BaseExcepti
         if err.wait_for_parent is not None:
             wait_for_parent(err.wait_for_parent)
         _exit(err.code, rank_failures)
-    except user_errors as err:
+    except (user_errors() if callable(user_errors) else user_errors) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         report_user_error(err)
@@ -113,9 +117,8 @@ def is_rank_of_a_job() -> bool:
 
 def job_rank() -> int | None:
     """This process's global rank in a job of several processes; None in a single-process run."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # never imported: no process group (and `--help` stays fast)
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank() if dist.get_world_size() > 1 else None
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))

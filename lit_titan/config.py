@@ -7,18 +7,19 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.errors import ConfigError
-from lit_titan.loss import resolve_chunk_tokens
-from lit_titan.models.llama3 import ModelArgs, get_flavor
-from lit_titan.optim import check_optim
-from lit_titan.callbacks.preflight import check_config as check_preflight
 from lit_titan.schema_check import check_schema, compose_error_line
-from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
-from lit_titan.strategies.pipeline import V_SHAPED, PipelineConfig
+
+# The model, strategy and optimizer modules import torch and Lightning (seconds): they are imported
+# where a config is validated, so `--help` and the Hydra app's own displays stay fast.
+if TYPE_CHECKING:
+    from lit_titan.models.llama3 import ModelArgs
+    from lit_titan.strategies.parallel_dims import ParallelDims
+    from lit_titan.strategies.pipeline import PipelineConfig
 
 RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
 MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
@@ -86,6 +87,8 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:
+    from lit_titan.models.llama3 import get_flavor
+
     return get_flavor(cfg.model.name, **model_overrides(cfg))
 
 
@@ -103,6 +106,8 @@ def world_size(cfg: DictConfig) -> int:
 
 
 def parallel_dims(cfg: DictConfig) -> ParallelDims:
+    from lit_titan.strategies.parallel_dims import ParallelDims
+
     p = cfg.parallel
     return ParallelDims.resolve(world_size(cfg), pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
                                 cp=p.cp, tp=p.tp)
@@ -135,6 +140,12 @@ def keyed_line(message: str) -> str:
 
 
 def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
+    from lit_titan.callbacks.preflight import check_config as check_preflight
+    from lit_titan.loss import resolve_chunk_tokens
+    from lit_titan.optim import check_optim
+    from lit_titan.strategies.parallel_dims import LayoutError
+    from lit_titan.strategies.pipeline import V_SHAPED
+
     check_schema(cfg)
     try:
         args = model_args(cfg)
@@ -281,6 +292,8 @@ def _validate_grad_reduce_scatter(cfg: DictConfig, dims: ParallelDims) -> None:
 
 
 def pipeline_config(cfg: DictConfig) -> PipelineConfig:
+    from lit_titan.strategies.pipeline import PipelineConfig
+
     p = cfg.parallel
     stages = p.get("pp_stages")
     return PipelineConfig(schedule=p.pp_schedule, microbatches=p.pp_microbatches,

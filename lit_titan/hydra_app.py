@@ -206,6 +206,12 @@ def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> Non
                           f"cannot parse the overrides: {_flat(err)}") from None
     own = [o.input_line for o in parsed if _is_hydra_key(o.key_or_group)]
     job = [o for o in parsed if not _is_hydra_key(o.key_or_group)]
+    for o in job:  # Hydra's own answer to `optim=1` is a ValueError without the override's name
+        if not o.is_sweep_override() and not isinstance(o.value(), (str, list)):
+            options = hydra.config_loader.get_group_options(o.key_or_group)
+            if options:
+                raise ConfigError(f"{o.input_line}: {o.key_or_group} is a config group; choose one of "
+                                  f"{', '.join(options)} (or set one of its keys: {o.key_or_group}.KEY=VALUE)")
     if mode == RunMode.MULTIRUN:
         points = [point for batch in BasicSweeper.split_arguments(job, None) for point in batch]
     else:

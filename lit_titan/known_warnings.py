@@ -63,7 +63,26 @@ KNOWN_LOG_LINES = (
           message=r"💡 Tip: For seamless cloud logging and experiment tracking, try installing \[litlogger\]",
           reason="an advertisement for a hosted product, printed on every fit without a LitLogger",
           seen_with="lightning 2.6.6"),
+    Known(module=r"torch\.utils\._pytree",
+          message=r"<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch\.compile",
+          reason="torchao registers its own enum as a pytree constant on import (Float8: every `lit-titan plan` "
+                 "of a recipe with float8, every run with callbacks=[float8]); torch still accepts it, and only "
+                 "torchao can drop the call",
+          seen_with="torchao 0.18.0, torch 2.15"),
+    Known(module=r"torch\.distributed\.tensor\._redistribute",
+          message=r"While redistributing from \(_NormPartial",
+          reason="the gradient norm for clipping (strategies/grad_norm.py) under FSDP x TP is a scalar partial "
+                 "over two mesh dimensions, reduced by two all-reduces of one number instead of one: every rank "
+                 "receives the same result (the losses match one device: tests/test_parallel.py); printed once "
+                 "per rank, nothing a user can change (flattening the mesh for it is the strategy's job)",
+          seen_with="torch 2.15"),
 )
+
+# The loggers the known log lines come from (a logging filter acts on the records of its own logger).
+# rank_zero_info logs through the logger of the rank_zero module that imported last (fabric's, then
+# pytorch's), so both carry the filter.
+_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero", "torch.utils._pytree",
+            "torch.distributed.tensor._redistribute")
 
 
 class _DropKnown(logging.Filter):
@@ -87,8 +106,6 @@ def install() -> None:
     _installed = True
     for known in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=known.message, module=known.module)
-    # rank_zero_info logs through the logger of the rank_zero module that imported last (fabric's, then
-    # pytorch's); a filter applies to records of the logger it sits on, so it goes on both.
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    for name in _LOGGERS:
         pattern = [re.compile(k.message) for k in KNOWN_LOG_LINES if re.fullmatch(k.module, name)]
         logging.getLogger(name).addFilter(_DropKnown(pattern))

@@ -32,6 +32,7 @@ def check_schema(cfg: DictConfig) -> None:
     # First as written (interpolations unresolved), so a bad value is named where it was set and not
     # where it is used (trainer.max_steps=abc, not optim.total_steps); then resolved.
     written = OmegaConf.to_container(job, resolve=False)
+    check_groups(TrainSchema, written, "")
     _merge(TrainSchema, written, "")
     check_rules(TrainSchema, written, "")
     data = resolved(cfg)
@@ -71,6 +72,31 @@ def check_target_node(node: Any, where: str) -> None:
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}={_show(node[unknown[0]])}: {target} takes no argument "
                           f"{unknown[0]!r}; use one of {', '.join(sorted(accepted)) or '(none)'}")
+
+
+def check_groups(schema: type, data: dict[str, Any], prefix: str) -> None:
+    """A group of settings replaced by one value (``checkpoint=false``) names the key the user meant.
+
+    OmegaConf reports it against the parent node (an empty key and the whole config), so it is
+    found here first: the group's ``enabled`` switch, its only key, or the list of its keys.
+    """
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if f.name not in data or data[f.name] is None or _is_interpolation(data[f.name]):
+            continue
+        value, path, kind = data[f.name], prefix + f.name, hints[f.name]
+        if typing.get_origin(kind) is typing.Union:  # Optional[Group]
+            kind = next((a for a in typing.get_args(kind) if dataclasses.is_dataclass(a)), kind)
+        if not dataclasses.is_dataclass(kind):
+            continue
+        if isinstance(value, dict):
+            check_groups(kind, value, path + ".")
+            continue
+        keys = [k.name for k in dataclasses.fields(kind)]
+        meant = "enabled" if "enabled" in keys else keys[0] if len(keys) == 1 else None
+        hint = (f"did you mean {path}.{meant}={_show(value)}?" if meant else
+                f"set one of its keys instead ({', '.join(f'{path}.{k}' for k in keys)})")
+        raise ConfigError(f"{path}={_show(value)}: {path} is a group of settings; {hint}")
 
 
 def check_rules(schema: type, data: dict[str, Any], prefix: str) -> None:
@@ -284,4 +310,4 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-__all__ = ["check_schema", "check_rules", "check_target_node", "field_types", "field_rule", "rule_problem"]
+__all__ = ["check_schema", "check_groups", "check_rules", "check_target_node", "field_types", "field_rule", "rule_problem"]

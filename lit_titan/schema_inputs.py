@@ -166,10 +166,14 @@ def check_documents(cfg: DictConfig, *, one_batch: bool = True) -> None:
                 raise ConfigError(f"data.path={data.path}: {f} is a binary file, not text; remove it or point "
                                   f"data.path at .txt/.jsonl documents only")
     try:
-        train, _ = split_corpus(corpus, float(data.val_fraction))
-        for f in train.files:
+        train, val = split_corpus(corpus, float(data.val_fraction))
+        for f in (*train.files, *(val.files if val else ())):
             if f.suffix == ".jsonl":
-                next(read_documents(f), None)  # the first line parses (read_documents names the line otherwise)
+                # Every line parses (read_documents names the first that does not): one JSON parse per
+                # line is a small fraction of the tokenizing that follows, and a bad line found there
+                # would surface inside a rank, as a traceback.
+                for _ in read_documents(f):
+                    pass
     except ValueError as err:
         raise ConfigError(f"data.path={data.path}: {_one_line(err)}") from None
     if not one_batch:

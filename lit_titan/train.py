@@ -13,15 +13,27 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lit_titan.checkpoint import CheckpointError
 from lit_titan.cli import is_launcher_rank_zero
 from lit_titan.config import RUN_DIR_ENV, ConfigError, default_run_dir, model_overrides, validate
 from lit_titan.redact import redact, secrets_of, write_private
-from lit_titan.callbacks.preflight import PreflightError
-from lit_titan.strategies.parallel_dims import LayoutError
 
-# Errors that mean "fix your input" (or, PreflightError, "fix your fleet"): one line, no traceback, exit code 2.
-USER_ERRORS = (ConfigError, LayoutError, FileNotFoundError, CheckpointError, PreflightError)
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "fix your input" (or, PreflightError, "fix your fleet"): one line, no traceback, exit code 2.
+
+    A function, not a constant: their modules import torch and Lightning, which ``--help`` must not wait for.
+    """
+    from lit_titan.callbacks.preflight import PreflightError
+    from lit_titan.checkpoint import CheckpointError
+    from lit_titan.strategies.parallel_dims import LayoutError
+
+    return (ConfigError, LayoutError, FileNotFoundError, CheckpointError, PreflightError)
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: `from lit_titan.train import USER_ERRORS` as before
+    if name == "USER_ERRORS":
+        return user_errors()
+    raise AttributeError(f"module 'lit_titan.train' has no attribute {name!r}")
 
 
 def resolve_run_dir(cfg: DictConfig) -> Path:
@@ -33,6 +45,21 @@ def resolve_run_dir(cfg: DictConfig) -> Path:
     path = Path(default_run_dir(cfg.run_dir, cfg.model.name)).expanduser().resolve()
     os.environ[RUN_DIR_ENV] = str(path)
     return path
+
+
+def with_flavor(cfg: DictConfig, args: Any) -> DictConfig:
+    """A copy of ``cfg`` whose ``model.*`` keys left null hold the flavor's values (``args``, the ModelArgs).
+
+    What config.yaml records: the model's shape is read there, not looked up in the flavor table of
+    the lit-titan version that ran. The same ModelArgs result from it (export, calibration, resume).
+    """
+    from lit_titan.config import MODEL_ARG_KEYS
+
+    out = cfg.copy()
+    for key in MODEL_ARG_KEYS:
+        if key in out.model and out.model[key] is None and getattr(args, key, None) is not None:
+            out.model[key] = getattr(args, key)
+    return out
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
@@ -220,7 +247,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     OmegaConf.update(cfg, "run_dir", str(run_dir))
     if is_launcher_rank_zero():
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_private(run_dir / "config.yaml", OmegaConf.to_yaml(redact(cfg)))  # credentials as ***, 0600
+        # credentials as ***, 0600; the model's shape with the flavor's values filled in
+        write_private(run_dir / "config.yaml", OmegaConf.to_yaml(redact(with_flavor(cfg, args))))
     if resume:
         archive_metrics(run_dir)
     from lit_titan.observe import flight_recorder
@@ -238,7 +266,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     global_batch = int(cfg.data.global_batch_size)
     micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)
     summary = RunSummary(run_dir=str(run_dir), continue_command=continue_command(cfg, run_dir),
-                         tensorboard_dir=_tensorboard_dir(cfg))
+                         tensorboard_dir=_tensorboard_dir(cfg),
+                         checkpoint_dir=str(run_dir / "checkpoints") if cfg.checkpoint.enabled else None)
     configured = [_instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     all_callbacks = [summary, DataProgress(), *configured, *(callbacks or [])]
     if (cfg.get("preflight") or {}).get("enabled"):  # first: it may end the job before the others act
@@ -318,4 +347,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     from lit_titan.cli import run_entry_point
 
-    run_entry_point(main, USER_ERRORS, rank_failures=True)
+    run_entry_point(main, user_errors, rank_failures=True)

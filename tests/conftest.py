@@ -6,6 +6,20 @@ import pytest
 import torch
 from s3server import s3_server  # noqa: F401  (a real S3-compatible server on 127.0.0.1: tests/s3server.py)
 
+# Variables of the user's shell that change what lit-titan, Lightning, torch or Hydra do (error
+# display, rank and launcher detection, warnings, loggers, S3 endpoints): removed from this process
+# before anything runs, so neither in-process runs nor the processes the tests start (which inherit
+# this environment) depend on the shell the suite was started from. A test that needs one sets it
+# itself (e.g. HYDRA_FULL_ERROR=1 in the env of the command it starts).
+USER_SHELL_VARIABLES = ("HYDRA_FULL_ERROR", "PYTHONWARNINGS", "FORCE_COLOR", "TORCH_DISTRIBUTED_DEBUG",
+                        "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES", "MASTER_ADDR",
+                        "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                        "LOCAL_WORLD_SIZE", "GLOBAL_RANK")
+USER_SHELL_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_", "PL_", "WANDB_", "AWS_", "LIT_TITAN_")
+KEPT = ("LIT_TITAN_CACHE",)  # a cache of tokenizers and shards: the user's is reused, it changes no result
+for _name in [k for k in os.environ if k not in KEPT and (k in USER_SHELL_VARIABLES or k.startswith(USER_SHELL_PREFIXES))]:
+    del os.environ[_name]
+
 # One inductor cache for the whole suite and every process it starts (worlds, command lines): the
 # first compile of a graph pays the C++ build, every later one (other ranks, the next run of the
 # suite on this machine) loads it. Outside pytest's per-session temporary directory on purpose.

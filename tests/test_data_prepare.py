@@ -203,15 +203,12 @@ def test_bad_input_is_one_line_before_any_work(args: list[str], message: str, co
 
 
 def test_malformed_jsonl_is_one_line(one_worker: Path, tmp_path: Path) -> None:
-    """Found by a tokenizing worker (checking it up front would read the corpus twice), but still one line.
-
-    With a BPE the tokenizer's training reads it first; a fixed (hf) tokenizer leaves it to the workers.
-    """
+    """Found up front (every line is parsed before the tokenizer or a worker starts): one line."""
     root = tmp_path / "corpus"
     root.mkdir()
     (root / "a.txt").write_text("a fine document " * 20)
     (root / "b.jsonl").write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
-    with pytest.raises(ConfigError, match=r"b\.jsonl:2 is not a JSON object") as err:
+    with pytest.raises(ConfigError, match=r"b\.jsonl:2: not a JSON object") as err:
         main(["data=text", f"data.path={root}", "data.val_fraction=0", "data.tokenizer.kind=hf",
               f"data.tokenizer.path={one_worker / TOKENIZER_FILE}", f"out={tmp_path / 'out'}", "workers=1"])
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
@@ -227,7 +224,8 @@ def test_command_line(corpus: Path, tmp_path: Path) -> None:
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith(f"prepared {tmp_path / 'out'} in ") and " documents" in first.stdout
-    assert "tokenizing" in first.stderr and "Progress" in first.stderr  # the progress bar
+    # stderr is a pipe, not a terminal: the plain "tokenizing" line, no progress bar and no escape codes
+    assert "tokenizing" in first.stderr and "Progress" not in first.stderr and "\x1b" not in first.stderr
     assert (tmp_path / "out" / MANIFEST).is_file()
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0 and again.stdout.startswith("already prepared: "), again
@@ -246,4 +244,4 @@ def test_command_line(corpus: Path, tmp_path: Path) -> None:
            f"out={tmp_path / 'out2'}"]
     bad = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("lit-titan: error: "), bad
-    assert "b.jsonl:1 is not a JSON object" in bad.stderr
+    assert "b.jsonl:1: not a JSON object" in bad.stderr

@@ -115,6 +115,22 @@ def test_known_warnings_hide_exactly_the_listed_messages():
     assert [(str(w.message)[:20], w.filename) for w in seen] == [(text[:20], "mine.py"), ("something new", "_pytree.py")]
 
 
+def test_known_log_lines_of_torch_are_dropped_and_others_kept(caplog):
+    """torchao's enum registration (every plan with Float8) and DTensor's per-rank note on the grad norm."""
+    import logging
+
+    import lit_titan  # noqa: F401 - installs the filters
+
+    pytree, redistribute = logging.getLogger("torch.utils._pytree"), logging.getLogger("torch.distributed.tensor._redistribute")
+    with caplog.at_level(logging.WARNING):
+        pytree.warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value "
+                       "type.", "<enum 'KernelPreference'>")
+        redistribute.warning("While redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to (Replicate(), "
+                             "Replicate()), 2 sequential all_reduce operations will be performed.")
+        redistribute.warning("While redistributing from (Shard(0),) to (Replicate(),), something new")
+    assert [r.getMessage()[-13:] for r in caplog.records] == ["something new"]
+
+
 def _conf_groups_on_disk() -> dict[str, list[str]]:
     """Every directory of conf/ holding yaml files, and its files: read here independently of lit_titan.usage."""
     from lit_titan.config import conf_dir
@@ -174,6 +190,28 @@ def test_lit_titan_help_lists_every_subcommand(capsys):
     assert "llama3_405b" in capsys.readouterr().out  # export's --model lists the flavors of conf/model/
 
 
+def test_help_imports_neither_torch_nor_lightning():
+    """`python -m lit_titan.train --help` and `lit-titan --help` answer without the training stack.
+
+    What is asserted is the cause of a slow answer (torch and Lightning take seconds to import), not
+    a wall-clock bound, which a loaded machine would break: one fresh interpreter runs both help paths
+    as the command line does, then lists what they imported.
+    """
+    code = ("import contextlib, io, runpy, sys\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    sys.argv = ['lit_titan.train', '--help']\n"
+            "    runpy.run_module('lit_titan.train', run_name='__main__')\n"
+            "    try:\n"
+            "        runpy.run_module('lit_titan.cli', run_name='__main__')\n"
+            "    except SystemExit as done:\n"
+            "        assert done.code == 0, done.code\n"
+            "assert '== Config groups' in out.getvalue() and 'commands:' in out.getvalue(), out.getvalue()\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'numpy', 'litdata'}))\n")
+    proc = run_job([sys.executable, "-c", code], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
 # Each command of README's "First hour" section -> where the tests run it.
 README_COMMANDS = {
     "python -m lit_titan.train data=text data.path=my_texts/ trainer.max_steps=200":
@@ -225,17 +263,29 @@ def test_csv_logger_warns_only_when_it_would_replace_metrics(tmp_path):
     assert not (tmp_path / "metrics.csv").exists()
 
 
-def test_end_lines_name_tensorboard_and_mfu_when_known():
+def test_end_lines_name_tensorboard_and_mfu_when_known_and_only_outputs_that_exist(tmp_path):
     from lit_titan.callbacks import RunSummary
     from lit_titan.config import compose
     from lit_titan.train import _tensorboard_dir
 
-    tensorboard = _tensorboard_dir(compose(["logger=[csv,tensorboard]", "run_dir=/runs/a"]))
-    assert tensorboard == "/runs/a/tensorboard" and _tensorboard_dir(compose(["run_dir=/runs/a"])) is None
-    summary = RunSummary("/runs/a", continue_command=None, tensorboard_dir=tensorboard)
-    summary.summary = {"steps": 3, "tokens": 12288, "final_loss": 8.7, "tokens_per_second": 192.5,
-                       "train_seconds": 63.8, "mfu": 0.412}
+    run = tmp_path / "a"
+    tensorboard = _tensorboard_dir(compose(["logger=[csv,tensorboard]", f"run_dir={run}"]))
+    assert tensorboard == f"{run}/tensorboard" and _tensorboard_dir(compose([f"run_dir={run}"])) is None
+    figures = {"steps": 3, "tokens": 12288, "final_loss": 8.7, "tokens_per_second": 192.5, "train_seconds": 63.8,
+               "mfu": 0.412}
+    # No checkpoints (checkpoint.enabled=false) and a TensorBoard logger that has not written: neither is named.
+    summary = RunSummary(str(run), continue_command=None, tensorboard_dir=tensorboard)
+    summary.summary = figures
     lines = summary.lines()
     assert lines[0] == "lit-titan: 3 steps, 12,288 tokens, final train/loss 8.7000, 192.5 tokens/s over 63.8 s, MFU 41.2%"
-    assert "lit-titan: TensorBoard: tensorboard --logdir /runs/a/tensorboard" in lines
+    assert lines[1] == f"lit-titan: outputs in {run} (metrics.csv)"
+    assert not any("tensorboard" in line.lower() for line in lines)
     assert not any("more step" in line for line in lines)  # no checkpoint to continue from: no command
+    (run / "tensorboard").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    summary = RunSummary(str(run), continue_command="python -m lit_titan.train resume=auto",
+                         tensorboard_dir=tensorboard, checkpoint_dir=str(run / "checkpoints"))
+    summary.summary = figures
+    lines = summary.lines()
+    assert lines[1] == f"lit-titan: outputs in {run} (metrics.csv, config.yaml, checkpoints/, tensorboard/)"
+    assert f"lit-titan: TensorBoard: tensorboard --logdir {run}/tensorboard" in lines

@@ -165,6 +165,17 @@ def test_report_plots_the_runs_own_numbers(observed_run, tmp_path):
     assert "id=\"series:train/loss\"" in page and "id=\"series:rank 1\"" in page and "id=\"series:wall_s\"" in page
     assert not re.search(r"(src|href)=['\"]https?://", page)
     assert "profile/step-000003/rank-1.json.gz" in page and "dp_shard: 2" in page
+    # the run's figures (summary.json) and the model's shape from its flavor, not only its name
+    from lit_titan.callbacks.throughput import count_params
+    from lit_titan.config import compose, model_args
+
+    args = model_args(compose(TWO_RANKS))
+    figures = re.search(r"<table id='run-figures'>(.*?)</table>", page).group(1)
+    assert f"<th style='text-align:left'>parameters</th><td>{count_params(args):,}</td>" in figures
+    assert "<td>pp 1 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1 (2 ranks)</td>" in figures
+    assert f"<th style='text-align:left'>tokens</th><td>{6 * 8 * 32:,}</td>" in figures  # steps x batch x seq_len
+    assert re.search(r"wall time \(training steps\)</th><td>\d+(\.\d+)? s</td>", figures), figures
+    assert f"rope_theta: {args.rope_theta}" in page and f"multiple_of: {args.multiple_of}" in page
 
     # a sweep: two runs side by side (one of them still in progress: its metrics cut short) overlay
     sweep = tmp_path / "sweep"

@@ -175,6 +175,27 @@ def test_a_bad_value_is_named_where_it_was_set_not_where_it_is_used():
         compose(["trainer.max_steps=abc"])
 
 
+@pytest.mark.parametrize("override, line", [
+    ("checkpoint=false", "checkpoint=false: checkpoint is a group of settings; did you mean checkpoint.enabled=false?"),
+    ("preflight=true", "preflight=true: preflight is a group of settings; did you mean preflight.enabled=true?"),
+    ("loss=0", "loss=0: loss is a group of settings; did you mean loss.chunk_tokens=0?"),
+    ("trainer=10", "trainer=10: trainer is a group of settings; set one of its keys instead (trainer.max_steps, "),
+])
+def test_a_group_replaced_by_a_value_names_the_key_meant(override, line):
+    with pytest.raises(ConfigError) as info:
+        compose([override])
+    assert str(info.value).startswith(line) and "\n" not in str(info.value), str(info.value)
+
+
+def test_a_config_group_given_a_number_lists_its_options(tmp_path):
+    from lit_titan.train import main
+
+    with pytest.raises(ConfigError, match=r"^data=3: data is a config group; choose one of mixture, stdlib, text, "
+                                          r"tokens \(or set one of its keys: data\.KEY=VALUE\)$"):
+        main(["data=3", f"run_dir={tmp_path / 'run'}"])
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_users_own_target_is_checked_against_its_signature():
     with pytest.raises(ConfigError, match=r"^callbacks\.mine\.nope=1: lightning\.pytorch\.callbacks\.Timer takes "
                                           r"no argument 'nope'"):

@@ -59,6 +59,19 @@ def test_binary_file_in_the_corpus(tmp_path):
     assert "model.txt is a binary file" in line
 
 
+def test_malformed_jsonl_line_anywhere_in_the_corpus(tmp_path):
+    """Every line is parsed before any rank: a bad line deep in a validation file is one line, not a rank's traceback."""
+    import json
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("words " * 5000)
+    (docs / "b.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 50}) + "\n" for i in range(5)) + "{oops\n")
+    line = _refused(tmp_path, ["data=text", f"data.path={docs}", "data.val_fraction=0.5"], f"data.path={docs}: ")
+    assert line.endswith(f"{docs / 'b.jsonl'}:6: not a JSON object with a 'text' field (Expecting property name "
+                         "enclosed in double quotes: line 1 column 2 (char 1)); fix or remove that line"), line
+
+
 def test_corpus_smaller_than_one_global_batch(tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()

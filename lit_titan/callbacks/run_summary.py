@@ -7,30 +7,38 @@ command that trains this run further from its last checkpoint.
 
 from __future__ import annotations
 
+import json
 import shlex
 import time
+from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_titan.redact import MASK
 
-__all__ = ["RunSummary"]
+__all__ = ["RunSummary", "SUMMARY_FILE"]
+
+SUMMARY_FILE = "summary.json"  # the run's figures (parameters, layout, steps, tokens, wall time), written at its end
 
 
 class RunSummary(L.Callback):
     """Collects the run summary (``self.summary``, returned by ``lit_titan.train.main``) and prints it.
 
     ``continue_command``: the command line that resumes this run with more steps (built by the entry
-    point, which knows the user's overrides; shell-quoted, credentials as ``***``); ``tensorboard_dir``:
-    set when a TensorBoard logger is on.
+    point, which knows the user's overrides; shell-quoted, credentials as ``***``); ``tensorboard_dir``: set when a TensorBoard logger is on;
+    ``checkpoint_dir``: where the run saves checkpoints (None: it saves none).
+
+    The outputs named are those the run has written, or writes after this callback's ``on_train_end``
+    (the final checkpoint, the CSV logger's last flush): never a directory that will not be there.
     """
 
     def __init__(self, run_dir: str | None = None, continue_command: str | None = None,
-                 tensorboard_dir: str | None = None) -> None:
+                 tensorboard_dir: str | None = None, checkpoint_dir: str | None = None) -> None:
         self.run_dir = run_dir
         self.continue_command = continue_command
         self.tensorboard_dir = tensorboard_dir
+        self.checkpoint_dir = checkpoint_dir
         self.summary: dict = {}
         self._t0: float | None = None
         self._steps0 = 0
@@ -46,7 +54,14 @@ class RunSummary(L.Callback):
         tokens_per_step = getattr(pl_module, "_tokens_per_step", 0)
         loss = trainer.callback_metrics.get("train/loss")
         mfu = trainer.callback_metrics.get("perf/mfu")
+        from lit_titan.callbacks.throughput import count_params
+
+        args = getattr(pl_module, "model_args", None)
+        dims = getattr(trainer.strategy, "parallel_dims", None)
         self.summary = {
+            "parameters": count_params(args) if args is not None else None,
+            "layout": {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} if dims else None,
+            "world_size": trainer.world_size,
             "steps": trainer.global_step,
             "tokens": trainer.global_step * tokens_per_step,
             "final_loss": float(loss) if loss is not None else None,
@@ -58,6 +73,8 @@ class RunSummary(L.Callback):
             "cluster_environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
             "continue_command": self.continue_command,
         }
+        if trainer.is_global_zero and self.run_dir:  # what `lit-titan report` shows beside the curves
+            (Path(self.run_dir) / SUMMARY_FILE).write_text(json.dumps(self.summary, indent=1) + "\n")
         rank_zero_info("\n" + "\n".join(self.lines()))
 
     def lines(self) -> list[str]:
@@ -70,10 +87,10 @@ class RunSummary(L.Callback):
         if s.get("mfu") is not None:
             figures += f", MFU {100 * s['mfu']:.1f}%"
         out = [f"lit-titan: {figures}",
-               f"lit-titan: outputs in {self.run_dir} (metrics.csv, config.yaml, checkpoints/)",
+               f"lit-titan: outputs in {self.run_dir} ({', '.join(self.outputs())})",
                f"lit-titan: see the metrics: {shlex.join(['lit-titan', 'report', str(self.run_dir)])}  "
                f"(writes report.html there)"]
-        if self.tensorboard_dir:
+        if self.tensorboard_dir and Path(self.tensorboard_dir).is_dir():
             out.append(f"lit-titan: TensorBoard: {shlex.join(['tensorboard', '--logdir', str(self.tensorboard_dir)])}")
         if self.continue_command:
             more = f"{s['steps']} more step" + ("s" if s["steps"] != 1 else "")
@@ -83,3 +100,13 @@ class RunSummary(L.Callback):
                            "drop them and set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (W&B: "
                            "WANDB_API_KEY) in the environment (docs/data.md)")
         return out
+
+    def outputs(self) -> list[str]:
+        """The run directory's outputs, as named on the summary line."""
+        run = Path(self.run_dir or ".")
+        names = ["metrics.csv"]  # the CSV logger every run has (train.build_loggers) writes it at the latest on teardown
+        names += ["config.yaml"] if (run / "config.yaml").is_file() else []
+        names += [f"{Path(self.checkpoint_dir).name}/"] if self.checkpoint_dir else []  # the last is saved after us
+        tb = Path(self.tensorboard_dir) if self.tensorboard_dir else None
+        names += [f"{tb.name}/"] if tb is not None and tb.parent == run and tb.is_dir() else []
+        return names

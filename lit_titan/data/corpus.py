@@ -105,10 +105,8 @@ def read_documents(path: Path) -> Iterator[str]:
                 try:
                     text = json.loads(line).get("text", "")
                 except (json.JSONDecodeError, AttributeError) as e:
-                    raise ValueError(
-                        f"{path}:{lineno} is not a JSON object with a 'text' field ({e}); fix the file or "
-                        "point data.path=DIR at .txt/.jsonl files."
-                    ) from e
+                    raise ValueError(f"{path}:{lineno}: not a JSON object with a 'text' field ({e}); fix or "
+                                     "remove that line") from e
                 if str(text).strip():
                     yield str(text)
     else:

@@ -129,7 +129,9 @@ def _write_split(files: tuple[Path, ...], tokenizer: Tokenizer, out: Path, chunk
             reorder_files=False,  # contiguous runs of the sorted files per worker ...
             keep_data_ordered=True,  # ... each written in order (the default work queue is timing-dependent)
             start_method="fork" if os.name == "posix" else None,
-            verbose=progress,
+            # litdata's tqdm bar (position=-1) moves the cursor with escape codes: on a terminal only. A
+            # log file (CI, Slurm) gets the plain "tokenizing ..." line above and the summary after.
+            verbose=progress and sys.stderr.isatty(),
         )
     reports = sorted(errors.iterdir())
     if reports:

@@ -64,6 +64,25 @@ def _summary(runs: list[Run]) -> str:
     return "\n".join(rows) + "</table>"
 
 
+def _figures(run: Run) -> str:
+    """Parameters, layout, wall time and tokens (summary.json, written when the run ends)."""
+    s = run.summary
+    if not s:
+        return "<p class='muted'>No summary.json yet (written when the run ends): parameters, layout, wall time " \
+               "and tokens appear then.</p>"
+    layout = s.get("layout") or {}
+    cells = [("parameters", f"{s['parameters']:,}" if isinstance(s.get("parameters"), int) else "-"),
+             ("layout", " x ".join(f"{k} {v}" for k, v in layout.items()) + f" ({s.get('world_size', '?')} ranks)"
+              if layout else "-"),
+             ("steps", str(s.get("steps", "-"))),
+             ("tokens", f"{s['tokens']:,}" if isinstance(s.get("tokens"), int) else "-"),
+             ("wall time (training steps)", f"{s['train_seconds']} s" if s.get("train_seconds") is not None else "-"),
+             ("tokens/s", str(s.get("tokens_per_second") or "-"))]
+    return "<table id='run-figures'>" + "".join(
+        f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in cells) \
+        + "</table>"
+
+
 def _link(root: Path, path: Path) -> str:
     rel = os.path.relpath(path, root)
     return f"<a href='{html.escape(rel)}'>{html.escape(rel)}</a>"
@@ -100,8 +119,9 @@ def _run_details(root: Path, run: Run, sweep: bool) -> str:
         parts.append("<p><b>Hang dumps</b> (watchdog): " + ", ".join(_link(root, p) for p in run.hang_files) + "</p>")
     if run.preflight:
         parts.append(_preflight(root, run))
+    parts.append(_figures(run))
     if run.checkpoints:
         parts.append(f"<p>Checkpoints: {html.escape(', '.join(run.checkpoints))}</p>")
-    parts.append(f"<details{'' if sweep else ' open'}><summary>Resolved config (config.yaml: model, layout, "
-                 f"data, optimizer)</summary><pre>{html.escape(run.config)}</pre></details>")
+    parts.append(f"<details{'' if sweep else ' open'}><summary>Resolved config (config.yaml: model with the "
+                 f"flavor's values, layout, data, optimizer)</summary><pre>{html.escape(run.config)}</pre></details>")
     return "\n".join(parts)

@@ -30,6 +30,7 @@ class Run:
     checkpoints: list[str] = field(default_factory=list)
     hang_files: list[Path] = field(default_factory=list)
     preflight: dict | None = None  # preflight.json (lit_titan/callbacks/preflight.py), when the run had one
+    summary: dict | None = None  # summary.json (lit_titan/callbacks/run_summary.py), once the run has ended
 
     @property
     def name(self) -> str:
@@ -98,14 +99,19 @@ def load_run(path: Path) -> Run:
         sorted(run.path.glob("memory/oom-rank-*.pickle"))
     run.checkpoints = sorted(p.name for p in (run.path / "checkpoints").glob("step-*") if p.is_dir())
     run.hang_files = sorted((run.path / "hang").glob("*")) if (run.path / "hang").is_dir() else []
-    if (run.path / "preflight.json").is_file():
-        import json
-
-        try:
-            run.preflight = json.loads((run.path / "preflight.json").read_text())
-        except ValueError:
-            run.preflight = None
+    run.preflight = _json(run.path / "preflight.json")
+    run.summary = _json(run.path / "summary.json")
     return run
+
+
+def _json(file: Path) -> dict | None:
+    import json
+
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):  # absent (a run in progress) or cut short
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _rows(file: Path) -> list[dict[str, str]]:
