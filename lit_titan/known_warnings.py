@@ -19,7 +19,7 @@ import re
 import warnings
 from dataclasses import dataclass
 
-__all__ = ["KNOWN_WARNINGS", "KNOWN_LOG_LINES", "install"]
+__all__ = ["KNOWN_WARNINGS", "KNOWN_LOG_LINES", "add_warning_filters", "install"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,16 @@ KNOWN_LOG_LINES = (
 )
 
 
+def add_warning_filters() -> None:
+    """One ``ignore`` filter per known warning, in front of the current filters.
+
+    ``install`` calls it once; pytest resets the filters around every test, so the test suite calls it
+    again inside each test (tests/conftest.py), which makes this list the one place that silences a
+    dependency there too."""
+    for known in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=known.message, module=known.module)
+
+
 class _DropKnown(logging.Filter):
     def __init__(self, patterns: list[re.Pattern[str]]) -> None:
         super().__init__()
@@ -85,8 +95,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    for known in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=known.message, module=known.module)
+    add_warning_filters()
     # rank_zero_info logs through the logger of the rank_zero module that imported last (fabric's, then
     # pytorch's); a filter applies to records of the logger it sits on, so it goes on both.
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):

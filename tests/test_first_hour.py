@@ -26,6 +26,19 @@ def test_noise_finds_warnings_in_python_and_lightning_formats():
         lightning, python]
 
 
+@pytest.mark.slow
+def test_every_world_case_is_read_by_the_same_matcher(worlds):
+    """A case whose ranks print a warning (or traceback) line fails, naming the rank's log; a case that
+    asks for that line passes (tests/world.py). The 2-process world is the one the slow suite keeps up."""
+    from world import CaseFailed
+
+    line = "/x/mine.py:1: UserWarning: deliberate"
+    worlds.run(2, "builtins:print", line, allow_noise=("deliberate",))
+    with pytest.raises(CaseFailed, match=r"(?s)printed 2 unexpected .*rank0\.log: /x/mine\.py:1: UserWarning"):
+        worlds.run(2, "builtins:print", line)
+    worlds.run(2, "builtins:print", "step 1/2 | loss 8.1")  # the world is still up and clean
+
+
 def step_lines(output: str) -> list[tuple[int, int]]:
     return [(int(m.group(1)), int(m.group(2))) for m in re.finditer(r"^step (\d+)/(\d+) \| loss [\d.]+ \| ", output,
                                                                    re.MULTILINE)]
