@@ -24,6 +24,9 @@ def test_noise_finds_warnings_in_python_and_lightning_formats():
     python = "/x/datamodule.py:322: UserWarning: The validation split yields 13 sequences"
     assert noise("\n".join(["step 1/2 | loss 8.1 | 5 tokens/s", lightning, python, "lit-titan: 2 steps"])) == [
         lightning, python]
+    named = ["lit-titan: outputs in /tmp/test_warn_names_0", "python -m lit_titan.train preflight.action=warn"]
+    said = ["WARNING: rank 2 is slow", "lit-titan: warning: x", "a DeprecationWarning here", "FutureWarning: y"]
+    assert noise("\n".join(named + said)) == said
 
 
 @pytest.mark.slow
