@@ -15,6 +15,7 @@ so model code may use it.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -37,8 +38,14 @@ def resolve_chunk_tokens(setting: int | str | None, vocab_size: int) -> int:
     return value
 
 
+def at_least_fp32(t: Tensor) -> Tensor:
+    """``t`` in float32 when narrower (bf16/fp16 logits, rotary inputs); float64 stays float64, so an
+    fp64 run (the references in tests/test_hf_reference.py) is fp64 throughout, not rounded to fp32 here."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def _chunk_nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
-    logits = F.linear(hidden, weight).float()
+    logits = at_least_fp32(F.linear(hidden, weight))
     return F.cross_entropy(logits, labels, reduction="sum")
 
 
@@ -46,7 +53,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
     """Mean next-token NLL of ``hidden @ weight.T`` against ``labels``, one chunk of tokens at a time.
 
     hidden [..., dim] (the final norm's output), weight [vocab, dim], labels [...] (same leading
-    shape). Equal to ``F.cross_entropy(F.linear(hidden, weight).float().flatten(0, -2), labels.flatten())``
+    shape). Equal to ``F.cross_entropy(at_least_fp32(F.linear(hidden, weight)).flatten(0, -2), labels.flatten())``
     up to fp32 summation order.
     """
     h = hidden.flatten(0, -2)
@@ -62,4 +69,4 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
     return total / n
 
 
-__all__ = ["AUTO_CHUNK_TOKENS", "AUTO_MIN_VOCAB", "chunked_cross_entropy", "resolve_chunk_tokens"]
+__all__ = ["AUTO_CHUNK_TOKENS", "AUTO_MIN_VOCAB", "at_least_fp32", "chunked_cross_entropy", "resolve_chunk_tokens"]

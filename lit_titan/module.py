@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_titan.log_cadence import forget_logged, is_logging_step
-from lit_titan.loss import resolve_chunk_tokens
+from lit_titan.loss import at_least_fp32, resolve_chunk_tokens
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.optim import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.observe.phases import PhaseClock, phase
@@ -70,7 +70,7 @@ class PretrainModule(L.LightningModule):
         and this mean, divided by Lightning over accumulation steps and averaged by FSDP over
         data-parallel ranks, equals the sum over the global step's tokens divided by their count.
         """
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+        return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), labels.flatten(0, 1))
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return build_optimizer(self.model, self.optim_config)

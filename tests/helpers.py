@@ -86,7 +86,9 @@ def run_cli(overrides: list[str], run_dir: Path, *, check: bool = True, timeout:
 # A dependency's message that a user cannot act on belongs in lit_titan/known_warnings.py instead.
 ACTIONABLE: tuple[str, ...] = ()
 # "file.py:LINE: message" is how Python prints a warning; Lightning's format drops the category name.
-_NOISE = re.compile(r"warn|traceback|tip:|^\S+\.py:\d+: ", re.IGNORECASE)
+# "warn" as a word or a category (UserWarning), not inside a path, a name or a key (test_warn_x,
+# preflight.action=warn): the worlds' logs hold run directories and command lines (tests/world.py).
+_NOISE = re.compile(r"(?<![\w./=-])warn(ing)?s?\b|\w+Warning\b|traceback|tip:|^\S+\.py:\d+: ", re.IGNORECASE)
 
 
 def noise(output: str) -> list[str]:

@@ -174,14 +174,21 @@ def test_mixture_shares_per_batch_and_resume(shards: dict[str, Any]) -> None:
 
 
 def test_resume_planning_is_fast_at_fleet_scale() -> None:
-    """10^8 samples in 2*10^5 chunks, global batch 1024: placing step 90,000 takes well under 1 s."""
-    start = time.perf_counter()
-    order = SourceOrder(np.full(200_000, 500), seed=0, streams=1024, window=2048)
-    blend = Blend([1.0], 1024, step=90_000, consumed=[90_000 * 1024])
-    positions = np.arange(blend.consumed_at(90_000)[0], blend.consumed_at(90_001)[0])
-    chunks, samples = order.locate(positions)
-    elapsed = time.perf_counter() - start
-    assert len(set(chunks.tolist())) > 1000 and elapsed < 1.0, elapsed
+    """10^8 samples in 2*10^5 chunks, global batch 1024: placing step 90,000 takes well under 1 s.
+
+    CPU time of this process, the least of 3 tries: a loaded machine lengthens wall time, not this."""
+
+    def place() -> tuple[float, SourceOrder, np.ndarray, np.ndarray]:
+        start = time.process_time()
+        order = SourceOrder(np.full(200_000, 500), seed=0, streams=1024, window=2048)
+        blend = Blend([1.0], 1024, step=90_000, consumed=[90_000 * 1024])
+        positions = np.arange(blend.consumed_at(90_000)[0], blend.consumed_at(90_001)[0])
+        chunks, samples = order.locate(positions)
+        return time.process_time() - start, order, chunks, samples
+
+    tries = [place() for _ in range(3)]
+    cpu, order, chunks, samples = min(tries, key=lambda t: t[0])
+    assert len(set(chunks.tolist())) > 1000 and cpu < 1.0, [t[0] for t in tries]
     assert order.total == 10**8 and (samples < 500).all()
 
 

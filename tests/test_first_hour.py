@@ -24,6 +24,22 @@ def test_noise_finds_warnings_in_python_and_lightning_formats():
     python = "/x/datamodule.py:322: UserWarning: The validation split yields 13 sequences"
     assert noise("\n".join(["step 1/2 | loss 8.1 | 5 tokens/s", lightning, python, "lit-titan: 2 steps"])) == [
         lightning, python]
+    named = ["lit-titan: outputs in /tmp/test_warn_names_0", "python -m lit_titan.train preflight.action=warn"]
+    said = ["WARNING: rank 2 is slow", "lit-titan: warning: x", "a DeprecationWarning here", "FutureWarning: y"]
+    assert noise("\n".join(named + said)) == said
+
+
+@pytest.mark.slow
+def test_every_world_case_is_read_by_the_same_matcher(worlds):
+    """A case whose ranks print a warning (or traceback) line fails, naming the rank's log; a case that
+    asks for that line passes (tests/world.py). The 2-process world is the one the slow suite keeps up."""
+    from world import CaseFailed
+
+    line = "/x/mine.py:1: UserWarning: deliberate"
+    worlds.run(2, "builtins:print", line, allow_noise=("deliberate",))
+    with pytest.raises(CaseFailed, match=r"(?s)printed 2 unexpected .*rank0\.log: /x/mine\.py:1: UserWarning"):
+        worlds.run(2, "builtins:print", line)
+    worlds.run(2, "builtins:print", "step 1/2 | loss 8.1")  # the world is still up and clean
 
 
 def step_lines(output: str) -> list[tuple[int, int]]:

@@ -19,12 +19,16 @@ PER_RANK_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_byt
 
 @pytest.fixture(scope="module")
 def plan_405b(tmp_path_factory):
-    """The 405B recipe on 512 H100s through the CLI, timed end to end (interpreter start included)."""
+    """The 405B recipe on 512 H100s through the CLI, timed end to end (interpreter start included) in CPU
+    seconds of the command's processes: a loaded machine stretches its wall time, not this."""
+    import resource
+
     run_dir = tmp_path_factory.mktemp("plan405")
-    start = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = run_job([sys.executable, "-m", "lit_titan.plan", "+recipe=llama3_405b_h100_512",
                            f"run_dir={run_dir}"], cwd=ROOT, timeout=120)
-    elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    elapsed = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fits:" in proc.stdout
     # Nothing but our own line on stderr: no dependency warning (lit_titan/known_warnings.py)
@@ -34,7 +38,7 @@ def plan_405b(tmp_path_factory):
 
 def test_405b_on_512_recipe(plan_405b):
     plan, elapsed = plan_405b
-    assert elapsed < 60, f"405B plan took {elapsed:.1f} s"
+    assert elapsed < 60, f"405B plan took {elapsed:.1f} s of CPU"
     for key in REQUIRED_KEYS:
         assert key in plan
     for key in PER_RANK_KEYS:

@@ -145,7 +145,7 @@ def test_every_leaf_key_refuses_a_bad_value_in_one_line(option):
         for what, value in bad_values(leaves[path], _rule(path, cfg)):
             bad = copy.deepcopy(cfg)
             OmegaConf.update(bad, path, value, merge=False, force_add=True)
-            start = time.perf_counter()
+            start = time.process_time()  # CPU time: a loaded machine stretches wall time, not this
             cases += 1
             try:
                 validate(bad)
@@ -157,7 +157,7 @@ def test_every_leaf_key_refuses_a_bad_value_in_one_line(option):
                 failures.append(f"{path}={value!r} ({what}): {type(err).__name__}: {err}")
             else:
                 failures.append(f"{path}={value!r} ({what}): accepted")
-            assert time.perf_counter() - start < 10, f"{path}={value!r} took over 10 s"
+            assert time.process_time() - start < 10, f"{path}={value!r} took over 10 s of CPU"
     assert not failures, f"{option}: {len(failures)} of {cases} cases:\n" + "\n".join(failures)
 
 

@@ -104,15 +104,35 @@ class World:
                 counts.append(int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:"))))
         return max(counts)
 
-    def run(self, target: str, *args: Any, timeout: float = 600) -> CaseResult:
-        """Run ``module:function(*args)`` on every rank; rank 0's return value and output."""
+    def run(self, target: str, *args: Any, timeout: float = 600, allow_noise: tuple[str, ...] = ()) -> CaseResult:
+        """Run ``module:function(*args)`` on every rank; rank 0's return value and output.
+
+        Every rank's log of a case that succeeds is read by the first-run test's matcher
+        (``helpers.noise``): a warning, traceback or tip on any rank fails the case, unless its line
+        contains one of ``allow_noise`` (a case that asks for a warning). A case that fails raises
+        ``CaseFailed`` with its traceback instead (the tests that expect an error catch that).
+        """
         self._cases += 1
         case = f"case-{self._cases:04d}"
         for inbox in self._inboxes:
             inbox.put((case, target, args))
         replies = self._collect(case, timeout)
         output = (self.log_dir / f"{case}-rank0.log").read_text(errors="replace")
+        self._check_noise(case, allow_noise)
         return CaseResult(replies[0][1], output)
+
+    def _check_noise(self, case: str, allow: tuple[str, ...]) -> None:
+        from helpers import noise  # tests/ is on sys.path in the test session (not in the workers)
+
+        found = []
+        for log in sorted(self.log_dir.glob(f"{case}-rank*.log")):
+            lines = [line for line in noise(log.read_text(errors="replace"))
+                     if not line.startswith("$ ") and not any(a in line for a in allow)]  # "$ ": the case's echo
+            found += [f"{log.name}: {line}" for line in lines]
+        if found:  # the world itself is fine: it stays up for the next case
+            raise CaseFailed(f"{case} in a {self.size}-process world printed {len(found)} unexpected warning or "
+                             "traceback line(s); fix the cause, or add a dependency's message a user cannot act on "
+                             "to lit_titan/known_warnings.py:\n" + "\n".join(found[:40]) + f"\n{self._tail_logs(case)}")
 
     def _collect(self, case: str, timeout: float) -> dict[int, tuple[bool, Any]]:
         replies: dict[int, tuple[bool, Any]] = {}
@@ -171,13 +191,16 @@ class Worlds:
             world = self._worlds[size] = World(size)
         return world
 
-    def run(self, size: int, target: str, *args: Any, timeout: float = 600) -> CaseResult:
-        return self.get(size).run(target, *args, timeout=timeout)
+    def run(self, size: int, target: str, *args: Any, timeout: float = 600,
+            allow_noise: tuple[str, ...] = ()) -> CaseResult:
+        return self.get(size).run(target, *args, timeout=timeout, allow_noise=allow_noise)
 
-    def train(self, overrides: list[str], run_dir: Path | str, *, timeout: float = 600) -> CaseResult:
+    def train(self, overrides: list[str], run_dir: Path | str, *, timeout: float = 600,
+              allow_noise: tuple[str, ...] = ()) -> CaseResult:
         """``python -m lit_titan.train OVERRIDES run_dir=RUN_DIR`` in the world of ``cluster.devices`` ranks."""
         size = devices_of(overrides)
-        return self.run(size, "world:train_case", [*overrides, f"run_dir={run_dir}"], timeout=timeout)
+        return self.run(size, "world:train_case", [*overrides, f"run_dir={run_dir}"], timeout=timeout,
+                        allow_noise=allow_noise)
 
     def close(self) -> None:
         for world in self._worlds.values():

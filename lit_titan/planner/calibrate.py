@@ -59,7 +59,8 @@ def measured(run_dir: str | Path) -> dict[str, Any]:
     out: dict[str, Any] = {"run_dir": str(d), "cfg": cfg}
     timeline = d / "timeline" / "rank-0.csv"
     if timeline.is_file():
-        rows = list(csv.DictReader(timeline.open()))[SKIP_STEPS:]
+        with timeline.open() as f:
+            rows = list(csv.DictReader(f))[SKIP_STEPS:]
         if rows:
             f = lambda k: statistics.median(float(r[k]) for r in rows)  # noqa: E731
             busy = statistics.median(float(r["forward_s"]) + float(r["backward_s"]) + float(r["pipeline_s"])

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lit_titan.loss import chunked_cross_entropy
+from lit_titan.loss import at_least_fp32, chunked_cross_entropy
 from lit_titan.models.llama3.attention import attention, attention_mask, window_mask
 from lit_titan.models.init import InitFn, canonical_name, normal, ones, seeded_init_
 from lit_titan.models.llama3.args import ModelArgs, RopeScaling
@@ -54,7 +54,7 @@ def rope_tables(args: ModelArgs, device: torch.device | str | None = None) -> tu
 
 def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate consecutive pairs (Meta's layout) of x [b, s, h, d] by angles cos/sin [s|b,s, d/2]."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    pairs = at_least_fp32(x).reshape(*x.shape[:-1], -1, 2)
     x0, x1 = pairs.unbind(-1)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
@@ -170,7 +170,7 @@ class OutputHead(nn.Linear):
             return super().forward(h)
         if self.chunk_tokens > 0:
             return chunked_cross_entropy(h, self.weight, labels, self.chunk_tokens)
-        return F.cross_entropy(super().forward(h).flatten(0, -2).float(), labels.flatten())
+        return F.cross_entropy(at_least_fp32(super().forward(h).flatten(0, -2)), labels.flatten())
 
 
 class Transformer(nn.Module):
