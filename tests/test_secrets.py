@@ -86,7 +86,7 @@ def test_prepare_to_s3_then_credentials_appear_in_no_file_and_no_output(tmp_path
     assert report and shlex.split(report.group(1)) == ["lit-titan", "report", str(run_dir)]
 
 
-def test_what_is_secret_and_printed_commands_round_trip_through_the_shell(monkeypatch: Any) -> None:
+def test_what_is_secret_and_printed_commands_round_trip_through_the_shell(monkeypatch: Any, tmp_path: Path) -> None:
     """The redaction rules (lit_titan/redact.py), error lines, and shell quoting of the end-of-run lines."""
     from lit_titan.callbacks import RunSummary
     from lit_titan.cli import scrub
@@ -111,7 +111,8 @@ def test_what_is_secret_and_printed_commands_round_trip_through_the_shell(monkey
     assert scrub(f"{line}: not a config key") == (  # error lines too
         "data.storage_options={endpoint_url:'http://h:1',aws_secret_access_key:'***'}: not a config key")
 
-    run_dir = "/runs/my run $HOME"
+    run_dir = str(tmp_path / "my run $HOME")
+    (tmp_path / "my run $HOME" / "tensorboard").mkdir(parents=True)  # the summary names only outputs that exist
     summary = RunSummary(run_dir, continue_command="python -m lit_titan.train 'x=***'",
                          tensorboard_dir=f"{run_dir}/tensorboard")
     summary.summary = {"steps": 3, "tokens": 96, "final_loss": 8.7, "tokens_per_second": 1.0, "train_seconds": 1.0}
