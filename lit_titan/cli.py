@@ -155,7 +155,7 @@ def report_rank_failure(err: BaseException) -> Path:
 
 
 def _is_peer_failure(err: BaseException) -> bool:
-    from lit_titan.peer_exit import is_peer_failure
+    from lit_titan.errors import is_peer_failure
 
     return is_peer_failure(err)
 

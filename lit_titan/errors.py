@@ -49,4 +49,17 @@ class Preempted(Exception):
         self.wait_for_parent = wait_for_parent
 
 
-__all__ = ["NONFINITE_EXIT_CODE", "REQUEUE_EXIT_CODE", "ConfigError", "NonFiniteError", "Preempted"]
+# What a collective raises on the ranks left when a peer dies (gloo; NCCL reports its peer's abort).
+# Here, at the bottom, because the checkpoint writer (which must not blame the disk for it) and the
+# command line (which prints the one line, lit_titan/peer_exit.py) both ask.
+PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
+             "NCCL communicator was aborted")
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` (or DCP's wrapped cause) is a collective failing because a peer's process is gone."""
+    return any(text in str(err) for text in PEER_GONE)
+
+
+__all__ = ["NONFINITE_EXIT_CODE", "PEER_GONE", "REQUEUE_EXIT_CODE", "ConfigError", "NonFiniteError", "Preempted",
+           "is_peer_failure"]

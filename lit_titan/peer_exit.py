@@ -20,17 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lit_titan.errors import PEER_GONE, is_peer_failure  # noqa: F401 - re-exported
+
 _job: dict[str, Any] = {"rank": None, "world_size": None, "launcher": None}
-# What a collective raises on the ranks left when a peer dies (gloo; NCCL reports its peer's abort).
-PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
-             "NCCL communicator was aborted")
-
-
-def is_peer_failure(err: BaseException) -> bool:
-    """Whether ``err`` (or DCP's wrapped cause) is a collective failing because a peer's process is gone."""
-    return any(text in str(err) for text in PEER_GONE)
-
-
 def remember(rank: int, world_size: int, launcher: Any) -> None:
     """Called by ``TitanStrategy`` once its process group is up: the facts the teardown may erase."""
     _job.update(rank=rank, world_size=world_size, launcher=launcher)

@@ -70,8 +70,7 @@ from lit_titan.checkpoint.layout import (
     write_checksums,
 )
 from lit_titan.checkpoint.staging import PinnedStager, local_bytes, local_tensors
-from lit_titan.errors import NonFiniteError
-from lit_titan.peer_exit import is_peer_failure
+from lit_titan.errors import NonFiniteError, is_peer_failure
 
 WriteHook = Callable[[Path], None]
 # DCP raises CheckpointException, a BaseException (not an Exception) subclass, for a failed write.
