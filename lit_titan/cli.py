@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lit_titan.errors import Preempted, is_peer_failure
+
 COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": "lit_titan.plan",
             "launch": "lit_titan.launch", "export": "lit_titan.export", "report": "lit_titan.report",
             "preflight": "lit_titan.preflight"}
@@ -37,8 +39,6 @@ def run_entry_point(main: Callable[[], Any],
     and the file holding its traceback (``report_rank_failure``), exit code 1. ``HYDRA_FULL_ERROR=1``
     (Hydra's own switch) shows the traceback instead.
     """
-    from lit_titan.errors import Preempted
-
     try:
         main()
     except Preempted as err:  # saved and said (lit_titan/callbacks/preemption.py): the requeue exit code
@@ -55,7 +55,7 @@ def run_entry_point(main: Callable[[], Any],
         if isinstance(code, int) and os.environ.get("HYDRA_FULL_ERROR") != "1":
             report_user_error(err)
             _exit(code, rank_failures)
-        if rank_failures and _is_peer_failure(err) and os.environ.get("HYDRA_FULL_ERROR") != "1" and is_rank_of_a_job():
+        if rank_failures and is_peer_failure(err) and os.environ.get("HYDRA_FULL_ERROR") != "1" and is_rank_of_a_job():
             report_peer_failure()  # a peer's process ended: name it, not this rank's collective that failed
             _exit(1, rank_failures)
         if not rank_failures or os.environ.get("HYDRA_FULL_ERROR") == "1" or job_rank() is None:
@@ -147,17 +147,11 @@ def report_rank_failure(err: BaseException) -> Path:
     except OSError as write_err:  # the failure may be the disk itself: the traceback then goes to stderr
         traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
         path, where = Path("-"), f"traceback above (could not write {log_dir}: {write_err.strerror})"
-    if _is_peer_failure(err) and _another_rank_reported(log_dir, rank):
+    if is_peer_failure(err) and _another_rank_reported(log_dir, rank):
         return path  # this rank only lost its peer: the first cause has its own line
     summary = one_line(scrub(f"{type(err).__name__}: {err}"))[:300]
     print(f"lit-titan: error: rank {rank} failed: {summary}; {where}", file=sys.stderr, flush=True)
     return path
-
-
-def _is_peer_failure(err: BaseException) -> bool:
-    from lit_titan.errors import is_peer_failure
-
-    return is_peer_failure(err)
 
 
 def report_peer_failure() -> None:
