@@ -8,7 +8,7 @@ import torch
 from lit_titan.callbacks import ActivationCheckpointing, Compile
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from lit_titan.callbacks.activation_checkpointing import apply_activation_checkpointing
+from lit_titan.strategies.transforms import apply_activation_checkpointing, compile_blocks
 from lit_titan.models.init import canonical_name
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.plan import LLAMA3_PLAN
@@ -44,7 +44,7 @@ def test_activation_checkpointing_wraps_the_right_blocks(mode, wrapped):
 def test_compile_callback_compiles_each_block_in_place():
     model = _model(2)
     names = [n for n, _ in model.named_parameters()]
-    Compile(backend="eager")._apply(model, LLAMA3_PLAN, strategy=None)
+    compile_blocks(model, LLAMA3_PLAN, backend="eager")
     assert all(block._compiled_call_impl is not None for block in model.layers.values())
     assert [n for n, _ in model.named_parameters()] == names  # in place: no _orig_mod in names
 

@@ -273,7 +273,7 @@ def _float8_tp_over_fake_pg(device: str, emulate: bool, monkeypatch) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from lit_titan.planner.build import _register_callbacks, fake_process_group
+    from lit_titan.planner.build import fake_process_group, request_transforms
     from lit_titan.strategies.parallel_dims import ParallelDims
 
     gathers = _count_float8_tp_all_gathers(monkeypatch)
@@ -287,7 +287,7 @@ def _float8_tp_over_fake_pg(device: str, emulate: bool, monkeypatch) -> dict:
     with fake_process_group(2):
         strategy = TitanStrategy(tp=2, dp_shard=1)
         strategy.init_layout(ParallelDims.resolve(2, dp_shard=1, tp=2), device)
-        _register_callbacks(strategy, [cb])  # as the planner registers Float8
+        request_transforms(strategy, [cb])  # as the planner asks for Float8
         assert strategy._tp_style_rewrites == [cb.tp_style]
         strategy.register_tp_style_rewrite(record)  # runs after Float8's: sees what TP applies
         model, _ = strategy.parallelize(_meta_model(), "32-true")

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from lit_titan import PretrainModule, TitanStrategy
-from lit_titan.callbacks.activation_checkpointing import _SAVE_OPS, apply_activation_checkpointing
+from lit_titan.strategies.transforms import _SAVE_OPS, apply_activation_checkpointing
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.model import Attention, CoreAttention
 from lit_titan.strategies.precision import float32_matmul_precision

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from torch import nn
 
 from lit_titan.callbacks._requires import transform_strategy
+from lit_titan.strategies.transforms import request_compile
 
 
 class Compile(L.Callback):
-    """Compile each block in place (``nn.Module.compile``: parameter names stay unchanged).
+    """Compile each block in place (``lit_titan.strategies.transforms.request_compile``).
 
-    Applied by the strategy after TP and activation checkpointing and before FSDP. Safe with TP
-    because the residual stream between blocks stays a Shard(1) DTensor (see
-    lit_titan/models/llama3/plan.py; local tensors there train silently wrong under compile).
+    Applied by the strategy after TP and activation checkpointing and before FSDP; ``compile_loss``
+    also compiles the module's ``compute_loss``.
     """
 
     def __init__(self, fullgraph: bool = True, backend: str = "inductor", mode: str | None = None,
@@ -24,17 +23,8 @@ class Compile(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         strategy = transform_strategy(trainer, "Compile")
-        dims = getattr(strategy, "parallel_dims", None)
-        if dims is not None and dims.cp > 1:
-            raise NotImplementedError("Compile with context parallelism (parallel.cp > 1) is not supported yet: the "
-                                      "all-gather-KV attention runs collectives inside an autograd Function; drop "
-                                      "the compile callback or set parallel.cp=1")
         if not self._registered:
-            strategy.register_transform("compile", self._apply)
+            request_compile(strategy, fullgraph=self.fullgraph, backend=self.backend, mode=self.mode)
             if self.compile_loss and hasattr(pl_module, "compute_loss"):
                 pl_module.compute_loss = torch.compile(pl_module.compute_loss, backend=self.backend)
             self._registered = True
-
-    def _apply(self, model: nn.Module, plan, strategy) -> None:
-        for block in plan.blocks(model):
-            block.compile(fullgraph=self.fullgraph, backend=self.backend, mode=self.mode)

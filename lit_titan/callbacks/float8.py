@@ -1,6 +1,7 @@
 """Float8 training (torchao): swap eligible ``nn.Linear`` layers for ``Float8Linear``.
 
-The callback only *asks*: it registers a ``convert`` transform with ``TitanStrategy``, which runs it
+The callback only *asks* (``lit_titan.strategies.transforms.request_float8``): it registers a
+``convert`` transform with ``TitanStrategy``, which runs it
 on the meta-device model before pipeline split, TP, activation checkpointing, compile and FSDP
 (docs/architecture.md). Converting first means every later stage wraps the Float8 modules, and
 FSDP sees torchao's float8 weight subclass, which is what makes FP8 all-gather possible.
@@ -35,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lit_titan.callbacks._requires import transform_strategy
+from lit_titan.strategies.transforms import request_float8
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -182,20 +184,11 @@ class Float8(L.Callback):
         return style
 
     # ---- Lightning hooks ------------------------------------------------------------------------
-    def register(self, strategy: Any) -> None:
-        """Ask ``strategy`` (a TitanStrategy) for the convert transform and, with ``float8_tp``, the TP rewrite.
-
-        ``setup`` calls this after checking the hardware; the planner calls it directly.
-        """
-        strategy.register_transform("convert", self.convert)
-        if self.float8_tp:
-            strategy.register_tp_style_rewrite(self.tp_style)
-
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         strategy = transform_strategy(trainer, "Float8")
         self._check_hardware(strategy.root_device)
         if self._registered_on is not strategy:  # setup runs again on fit -> validate: register once
-            self.register(strategy)
+            request_float8(strategy, self.convert, self.tp_style if self.float8_tp else None)
             self._registered_on = strategy
 
     def _check_hardware(self, device: torch.device) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -65,23 +64,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _register_callbacks(strategy, callbacks: list) -> dict[str, Any]:
-    """Let the configured callbacks register their transforms, as their ``setup`` does in training."""
+def request_transforms(strategy, callbacks: list) -> dict[str, Any]:
+    """Ask ``strategy`` for the transforms the configured callbacks ask for in training (strategies/transforms.py).
+
+    The same plain functions the callbacks' ``setup`` calls, on the strategy directly: no Trainer.
+    Float8's hardware check is left out: the plan targets the profile's GPUs, not this machine.
+    """
     from lit_titan.callbacks import ActivationCheckpointing, Compile, Float8
+    from lit_titan.strategies.transforms import request_activation_checkpointing, request_compile, request_float8
 
     info: dict[str, Any] = {"ac_mode": "none", "ac_every_n_layers": 2, "float8": None, "compiled": False}
-    trainer = SimpleNamespace(strategy=strategy)
     for cb in callbacks:
         if isinstance(cb, ActivationCheckpointing):
-            cb.setup(trainer, None, "fit")
+            request_activation_checkpointing(strategy, cb.mode, cb.every_n_layers)
             info["ac_mode"], info["ac_every_n_layers"] = cb.mode, cb.every_n_layers
         elif isinstance(cb, Compile):
-            cb.setup(trainer, None, "fit")  # block.compile() is lazy: nothing compiles on meta
+            request_compile(strategy, fullgraph=cb.fullgraph, backend=cb.backend, mode=cb.mode)
             info["compiled"] = True
         elif isinstance(cb, Float8):
-            # Float8.setup also checks this machine for FP8 units; the plan targets the profile's GPUs,
-            # so register the same transforms (convert; float8_tp's TP style rewrite) without that check.
-            cb.register(strategy)
+            request_float8(strategy, cb.convert, cb.tp_style if cb.float8_tp else None)
             info["float8"] = cb
     return info
 
@@ -95,7 +96,7 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
     strategy = build_strategy(cfg)  # the same constructor call as a training run
     with fake_process_group(dims.world_size):
         strategy.init_layout(dims, "cpu")  # what setup_environment does after its process group exists
-        info = _register_callbacks(strategy, callbacks)
+        info = request_transforms(strategy, callbacks)
 
         with torch.device("meta"):
             model = Transformer(model_args)
