@@ -14,7 +14,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.cli import is_launcher_rank_zero
-from lit_titan.config import RUN_DIR_ENV, ConfigError, default_run_dir, model_overrides, validate
+from lit_titan.config import ConfigError, JobSpec, validate
+from lit_titan.config.compose import RUN_DIR_ENV, default_run_dir
+from lit_titan.config.spec import model_overrides
 from lit_titan.redact import redact, secrets_of, write_private
 
 
@@ -53,7 +55,7 @@ def with_flavor(cfg: DictConfig, args: Any) -> DictConfig:
     What config.yaml records: the model's shape is read there, not looked up in the flavor table of
     the lit-titan version that ran. The same ModelArgs result from it (export, calibration, resume).
     """
-    from lit_titan.config import MODEL_ARG_KEYS
+    from lit_titan.config.spec import MODEL_ARG_KEYS
 
     out = cfg.copy()
     for key in MODEL_ARG_KEYS:
@@ -92,12 +94,14 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
     return loggers
 
 
-def build_strategy(cfg: DictConfig):
+def build_strategy(cfg: DictConfig, spec: JobSpec | None = None):
+    """``spec``: the checked job, whose resolved degrees the strategy takes as they are."""
     from lit_titan.strategies import TitanStrategy
 
     p = cfg.parallel
     return TitanStrategy(timeout=timedelta(seconds=int(cfg.cluster.get("timeout_s", 1800))),
                          pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                         dims=spec.dims if spec is not None else None,
                          reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload,
                          grad_reduce_scatter=p.get("grad_reduce_scatter", "every_microbatch"),
                          loss_parallel=p.loss_parallel, pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
@@ -225,8 +229,12 @@ def _instantiate(node: DictConfig, **kwargs: Any) -> Any:
         raise
 
 
-def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
-    """Run one training job from a composed config; returns the run summary."""
+def train(cfg: DictConfig, callbacks: list | None = None, spec: JobSpec | None = None) -> dict[str, Any]:
+    """Run one training job from a composed config; returns the run summary.
+
+    ``spec``: the config already checked, with its inputs (the command line's app checks every job
+    before Hydra starts it); None: checked here.
+    """
     import lightning as L
 
     from lit_titan.callbacks import Checkpointing, FaultInjection, RunSummary
@@ -234,11 +242,13 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     from lit_titan.data.progress import DataProgress
     from lit_titan.module import PretrainModule
 
-    args, dims = validate(cfg)
-    from lit_titan.schema_inputs import check_inputs, check_run_dir
+    if spec is None:
+        from lit_titan.config.inputs import check_inputs, check_run_dir
 
-    check_run_dir(cfg.run_dir)
-    check_inputs(cfg, args.vocab_size)  # data, tokenizer, Float8 hardware: before any rank starts
+        spec = validate(cfg)
+        check_run_dir(cfg.run_dir)
+        check_inputs(cfg, spec.model.vocab_size)  # data, tokenizer, Float8 hardware: before any rank starts
+    args = spec.model
     run_dir = resolve_run_dir(cfg)
     from lit_titan.checkpoint.compat import fingerprint
 
@@ -263,8 +273,6 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
                             init_from_hf=cfg.model.get("init_from_hf"),
                             loss_chunk_tokens=(cfg.get("loss") or {}).get("chunk_tokens", "auto"))
 
-    global_batch = int(cfg.data.global_batch_size)
-    micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)
     summary = RunSummary(run_dir=str(run_dir), continue_command=continue_command(cfg, run_dir),
                          tensorboard_dir=_tensorboard_dir(cfg),
                          checkpoint_dir=str(run_dir / "checkpoints") if cfg.checkpoint.enabled else None)
@@ -301,7 +309,6 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     # SIGTERM/SIGUSR1 on any rank, or the data store gone: save, one line, the requeue exit code
     all_callbacks.append(Preemption(continue_command=continue_command(cfg, run_dir, more_steps=False)))
     t = cfg.trainer
-    accumulation = global_batch // (dims.dp * micro)
     from lightning.pytorch.callbacks import ProgressBar
 
     from lit_titan.callbacks import StepProgressBar
@@ -311,8 +318,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
         all_callbacks.append(StepProgressBar(refresh_rate=max(1, int(t.log_every_n_steps))))
     trainer = L.Trainer(
         accelerator=cfg.cluster.accelerator, devices=cfg.cluster.devices, num_nodes=cfg.cluster.num_nodes,
-        strategy=build_strategy(cfg), precision=cfg.precision, max_steps=int(t.max_steps),
-        accumulate_grad_batches=accumulation, gradient_clip_val=t.gradient_clip_val,
+        strategy=build_strategy(cfg, spec), precision=cfg.precision, max_steps=int(t.max_steps),
+        accumulate_grad_batches=spec.batch.accumulation, gradient_clip_val=t.gradient_clip_val,
         log_every_n_steps=t.log_every_n_steps, limit_val_batches=t.limit_val_batches,
         val_check_interval=t.val_check_interval if t.limit_val_batches else None,
         enable_progress_bar=t.enable_progress_bar, deterministic=t.deterministic,

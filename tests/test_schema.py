@@ -1,4 +1,4 @@
-"""The typed schema (lit_titan/schema.py), fuzzed key by key through ``validate``, the function the CLI calls.
+"""The typed schema (lit_titan/config/schema.py), fuzzed key by key through ``validate``, the function the CLI calls.
 
 Generated from the config tree itself: every option of every group is composed, and every leaf key
 it holds is given a value of the wrong type and (numeric keys) a negative one, and zero where the
@@ -19,8 +19,8 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.config import ConfigError, compose, conf_dir, validate
-from lit_titan.schema import TARGET_SCHEMAS, TrainSchema
-from lit_titan.schema_check import field_types, rule_problem
+from lit_titan.config.schema import TARGET_SCHEMAS, TrainSchema
+from lit_titan.config.schema_check import field_types, rule_problem
 
 GROUPS = ("model", "data", "optim", "cluster", "parallel", "callbacks", "logger", "profiler")
 LIST_GROUPS = ("callbacks", "logger")  # groups whose override is a list of options
@@ -126,10 +126,10 @@ def own_keys(option: str | None, leaves: dict[str, Any]) -> list[str]:
 
 @pytest.mark.parametrize("option", OPTIONS)
 def test_every_yaml_key_has_a_schema_line(option):
-    """A key added to a yaml file without its one line in lit_titan/schema.py fails here, by name."""
+    """A key added to a yaml file without its one line in lit_titan/config/schema.py fails here, by name."""
     cfg = composed(option)  # compose() itself refuses an unknown key: "<key>=<value>: not a config key"
     missing = [k for k, kind in schema_leaves(cfg).items() if kind is None]
-    assert not missing, f"{option}: keys without a line in lit_titan/schema.py: {missing}"
+    assert not missing, f"{option}: keys without a line in lit_titan/config/schema.py: {missing}"
 
 
 @pytest.mark.parametrize("option", [None, *[o for o in OPTIONS if not o.startswith("+recipe")]])
@@ -219,7 +219,7 @@ def test_choices_match_the_code_that_uses_them():
 
 def test_every_option_of_every_group_is_covered():
     groups = {p.name for p in Path(conf_dir()).iterdir() if p.is_dir() and p.name not in ("hydra", "__pycache__")}
-    assert groups == {*GROUPS, "recipe"}, "a new config group needs its schema (lit_titan/schema.py) and GROUPS here"
+    assert groups == {*GROUPS, "recipe"}, "a new config group needs its schema (lit_titan/config/schema.py) and GROUPS here"
 
 
 @pytest.mark.parametrize("overrides, line", [

@@ -42,7 +42,7 @@ from lit_titan.strategies.fsdp import (
     fsdp_modules,
     mixed_precision_for,
 )
-from lit_titan.strategies.parallel_dims import ParallelDims
+from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.pipeline import (
     PipelineConfig,
     PipelineRunner,
@@ -83,6 +83,7 @@ class TitanStrategy(ModelParallelStrategy):
         pp_stages_per_rank: int | None = None,
         pp_stages: list[list[str]] | None = None,
         plan: ParallelPlan | None = None,
+        dims: ParallelDims | None = None,
         tf32: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -92,6 +93,8 @@ class TitanStrategy(ModelParallelStrategy):
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self._degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
+        # Degrees already resolved and checked (a JobSpec's): used as they are, not resolved again.
+        self._resolved_dims = dims
         self._plan = plan
         self.fsdp_config = FSDPConfig(reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
         if grad_reduce_scatter not in GRAD_REDUCE_SCATTER:
@@ -130,7 +133,14 @@ class TitanStrategy(ModelParallelStrategy):
         """Resolve and validate the degrees against world size, model and data (no process groups).
 
         The batch split is checked by the datamodule, which knows its data-parallel coordinates.
+        Degrees given resolved (``dims=``, a checked JobSpec's) are only held against the world size.
         """
+        if self._resolved_dims is not None:
+            if self._resolved_dims.world_size != self.world_size:
+                raise LayoutError(f"the resolved degrees {self._resolved_dims.as_dict()} are for "
+                                  f"{self._resolved_dims.world_size} processes, this job has {self.world_size}; "
+                                  f"check cluster.devices x cluster.num_nodes")
+            return self._resolved_dims
         dims = ParallelDims.resolve(self.world_size, **self._degrees)
         module = self.lightning_module
         args = getattr(module, "model_args", None)

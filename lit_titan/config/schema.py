@@ -1,7 +1,7 @@
 """The typed schema of the whole config tree: one dataclass field per config key, with its range.
 
 Why a schema module: OmegaConf refuses a wrong type or an unknown key only when it has a structured
-config (a dataclass) to merge into; ``lit_titan.schema_check`` merges the composed job config into
+config (a dataclass) to merge into; ``lit_titan.config.schema_check`` merges the composed job config into
 ``TrainSchema`` (OmegaConf does the type checks) and then checks each field's ``key(...)`` rule
 (ranges, choices). So **adding a config key is one line here**, in the dataclass of its group::
 
@@ -284,7 +284,7 @@ class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydr
     nonfinite: NonFiniteSchema = field(default_factory=NonFiniteSchema)
     fault: FaultSchema = field(default_factory=FaultSchema)
     preflight: PreflightSchema = field(default_factory=PreflightSchema)
-    # _target_ nodes: each checked against TARGET_SCHEMAS[its _target_] (lit_titan.schema_check)
+    # _target_ nodes: each checked against TARGET_SCHEMAS[its _target_] (lit_titan.config.schema_check)
     logger: Optional[Dict[str, Any]] = key()
     callbacks: Optional[Dict[str, Any]] = key()
     profiler: Optional[Dict[str, Any]] = key()
