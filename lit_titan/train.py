@@ -96,17 +96,11 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
 
 def build_strategy(cfg: DictConfig, spec: JobSpec | None = None):
     """``spec``: the checked job, whose resolved degrees the strategy takes as they are."""
-    from lit_titan.strategies import TitanStrategy
+    from lit_titan.strategies import ParallelConfig, TitanStrategy
 
-    p = cfg.parallel
-    return TitanStrategy(timeout=timedelta(seconds=int(cfg.cluster.get("timeout_s", 1800))),
-                         pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
-                         dims=spec.dims if spec is not None else None,
-                         reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload,
-                         grad_reduce_scatter=p.get("grad_reduce_scatter", "every_microbatch"),
-                         loss_parallel=p.loss_parallel, pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
-                         pp_stages_per_rank=p.get("pp_stages_per_rank"), pp_stages=p.get("pp_stages"),
-                         tf32=bool(cfg.get("tf32", True)))
+    return TitanStrategy(ParallelConfig(**OmegaConf.to_container(cfg.parallel, resolve=True)),
+                         dims=spec.dims if spec is not None else None, tf32=bool(cfg.get("tf32", True)),
+                         timeout=timedelta(seconds=int(cfg.cluster.get("timeout_s", 1800))))
 
 
 def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] | None = None) -> str | None:
