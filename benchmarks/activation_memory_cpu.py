@@ -57,7 +57,7 @@ def measure(overrides: list[str]) -> dict[str, Any]:
     from lit_titan.models.llama3 import Transformer
     from lit_titan.planner.build import _register_callbacks, fake_process_group
     from lit_titan.planner.core import _instantiate_callbacks
-    from lit_titan.train import build_strategy
+    from lit_titan.job.build import build_strategy
 
     cfg = compose(overrides)
     args, dims = model_args(cfg), parallel_dims(cfg)
@@ -112,7 +112,7 @@ def _activation_peak(tracker) -> dict[str, int]:
 
 
 def estimate(overrides: list[str]) -> dict[str, Any]:
-    from lit_titan.plan import make_plan
+    from lit_titan.cli.plan import make_plan
 
     return make_plan(overrides, write=False)["per_rank"]["activation_detail"]
 

@@ -99,7 +99,7 @@ class StallProbe(L.Callback):
 
 def run(overrides: list[str], saves: int, every: int, run_dir: Path) -> dict[str, Any]:
     from lit_titan.config import compose
-    from lit_titan.train import train
+    from lit_titan.job.run import train
 
     steps = saves * every
     cfg = compose([*overrides, f"trainer.max_steps={steps}", f"checkpoint.every_n_steps={every}",

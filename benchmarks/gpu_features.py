@@ -10,7 +10,7 @@ Each configuration is one training run through the real entry point (``python -m
     python benchmarks/gpu_features.py --cpu-smoke                              # checks the plumbing on CPU
 
 8B widths (dim 4096, 32 heads, 8 kv heads, FFN 14336, vocab 128256) with ``--layers`` blocks: pick
-as many as fit with AdamW state on the GPU (``python -m lit_titan.plan model=llama3_8b
+as many as fit with AdamW state on the GPU (``lit-titan plan model=llama3_8b
 model.n_layers=N cluster=gpu_1 data.seq_len=8192`` estimates it). Only run on a real GPU for numbers
 that go into docs/benchmarks.md; ``--cpu-smoke`` numbers mean nothing.
 """

@@ -39,7 +39,7 @@ class Preempted(Exception):
     """The run saved its work and stops to be requeued (a signal, a data-store outage).
 
     Raised on every rank together after the save (``lit_titan/callbacks/preemption.py``);
-    ``lit_titan.cli.run_entry_point`` exits with ``code``. ``wait_for_parent``: the pid of the
+    ``lit_titan.cli.entry.run_entry_point`` exits with ``code``. ``wait_for_parent``: the pid of the
     launcher this rank must outlive no longer (Lightning's launcher: rank 0's exit code is the job's).
     """
 

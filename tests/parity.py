@@ -15,7 +15,7 @@ tensors are gathered over their own mesh (``full_tensor``); pipeline stages hold
 parameters, so every rank's tensors go to rank 0 over the world group.
 
 ``train_case`` runs in a reused world (tests/world.py): the real entry point
-(``lit_titan.hydra_app.run_app`` with ``lit_titan.train.train``) with the callback added, optionally
+(``lit_titan.cli.hydra_app.run_app`` with ``lit_titan.job.run.train``) with the callback added, optionally
 with a mutant (tests/mutants/) applied for the case and undone afterwards.
 """
 
@@ -96,8 +96,8 @@ def train_case(argv: list[str], out_dir: str, steps: list[int], mutant: str | No
     """``lit_titan.train.main(argv)`` with a ``ParityDump`` (and a mutant, if named) on every rank."""
     import shlex
 
-    from lit_titan.hydra_app import run_app
-    from lit_titan.train import train
+    from lit_titan.cli.hydra_app import run_app
+    from lit_titan.job.run import train
 
     from mutants import applied
 

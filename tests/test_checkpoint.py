@@ -195,7 +195,7 @@ def test_no_entry_is_unpickled_and_every_file_is_checksummed(reference, tmp_path
 
     from lit_titan.checkpoint.layout import CHECKSUMS
     from lit_titan.checkpoint.writer import _load
-    from lit_titan.train import resolve_resume
+    from lit_titan.job.resume import resolve_resume
 
     ckpts = _copy(reference, tmp_path)
     ckpt = ckpts / "step-000020"
@@ -221,7 +221,7 @@ def test_no_entry_is_unpickled_and_every_file_is_checksummed(reference, tmp_path
 def test_resume_of_another_model_is_refused_naming_the_key(reference, tmp_path, override):
     from lit_titan.checkpoint.compat import fingerprint
     from lit_titan.models.llama3 import ModelArgs
-    from lit_titan.train import resolve_resume
+    from lit_titan.job.resume import resolve_resume
 
     ckpt = reference / "checkpoints" / "step-000010"
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512)
@@ -243,7 +243,7 @@ def test_prune_keeps_the_newest_k_and_only_old_partials(tmp_path):
 
 @pytest.mark.parametrize("make", ["incomplete", "truncated"])
 def test_damaged_resume_path_is_refused_with_the_reason(reference, tmp_path, make):
-    from lit_titan.train import resolve_resume
+    from lit_titan.job.resume import resolve_resume
 
     ckpt = tmp_path / "step-000004"
     if make == "incomplete":  # shards written, .metadata never published

@@ -20,7 +20,7 @@ from lit_titan.config import ConfigError
 from lit_titan.data import build_tokenizer, load_corpus, split_corpus
 from lit_titan.data.prepare import MANIFEST, TOKENIZER_FILE, read_manifest
 from lit_titan.data.tokenizers import EOS_TOKEN
-from lit_titan.prepare import USER_ERRORS, main
+from lit_titan.cli.prepare import USER_ERRORS, main
 
 WORDS = "the quick brown fox jumps over a lazy dog while shards of tokens stream from disk to every rank".split()
 CHUNK = 256  # tokens per chunk: several chunks per split, even per file

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import LlamaForCausalLM
 
 from helpers import TINY, assert_losses_match, final_params, losses, run_job
-from lit_titan import export
+from lit_titan.cli import export
 from lit_titan.config import ConfigError, compose, validate
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3 import hf
@@ -196,7 +196,7 @@ def trained(tmp_path_factory, worlds):
     """A dp2 (FSDP) run from seeded random init, exported with the command line; reused below."""
     root = tmp_path_factory.mktemp("trained")
     worlds.train([*COMMON, "trainer.max_steps=4", "cluster.devices=2"], root / "run")
-    proc = run_job([sys.executable, "-m", "lit_titan.export", str(newest_checkpoint(root / "run")),
+    proc = run_job([sys.executable, "-m", "lit_titan.cli", "export", str(newest_checkpoint(root / "run")),
                     str(root / "hf")], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root

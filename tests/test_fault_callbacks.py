@@ -350,15 +350,15 @@ def test_a_diverging_run_stops_before_the_update_and_never_publishes_a_nonfinite
 
 def test_nonfinite_error_is_one_line_and_exit_code_3(capsys):
     """The command line's handling of the guard's stop: one line on stderr, exit code 3, no traceback."""
-    from lit_titan.cli import run_entry_point
+    from lit_titan.cli.entry import run_entry_point
     from lit_titan.errors import NONFINITE_EXIT_CODE
-    from lit_titan.train import USER_ERRORS
+    from lit_titan.cli.train import user_errors
 
     def stopped() -> None:
         raise NonFiniteError("non-finite loss nan at optimizer step 6: stopped before the update")
 
     with pytest.raises(SystemExit) as exit_:
-        run_entry_point(stopped, USER_ERRORS, rank_failures=True)
+        run_entry_point(stopped, user_errors, rank_failures=True)
     assert exit_.value.code == NONFINITE_EXIT_CODE == 3
     err = capsys.readouterr().err
     assert err == "lit-titan: error: non-finite loss nan at optimizer step 6: stopped before the update\n", err

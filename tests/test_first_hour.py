@@ -76,7 +76,7 @@ def test_default_run_is_quiet_and_its_printed_continue_command_continues_it(tmp_
     steps = [int(r["step"]) for r in read_metrics(run) if r.get("train/loss")]
     assert steps == [2, 3], steps  # this attempt's rows; the first attempt's are in metrics.attempt-0.csv
 
-    from lit_titan.report.__main__ import main as report  # the other printed command (in-process: no imports)
+    from lit_titan.cli.report import main as report  # the other printed command (in-process: no imports)
 
     report([str(run)])
     assert (run / "report.html").stat().st_size > 0
@@ -148,7 +148,7 @@ def test_known_log_lines_of_torch_are_dropped_and_others_kept(caplog):
 
 
 def _conf_groups_on_disk() -> dict[str, list[str]]:
-    """Every directory of conf/ holding yaml files, and its files: read here independently of lit_titan.usage."""
+    """Every directory of conf/ holding yaml files, and its files: read here independently of lit_titan.cli.usage."""
     from lit_titan.config import conf_dir
 
     root = conf_dir()
@@ -163,7 +163,7 @@ def _conf_groups_on_disk() -> dict[str, list[str]]:
 def test_help_of_every_entry_point_lists_every_group_and_option(command, capsys):
     import importlib
 
-    importlib.import_module(f"lit_titan.{command}").main(["--help"])
+    importlib.import_module(f"lit_titan.cli.{command}").main(["--help"])
     out = capsys.readouterr().out
     lines = {line.split(": ", 1)[0]: line.split(": ", 1)[1].split(", ") for line in out.splitlines() if ": " in line}
     on_disk = _conf_groups_on_disk()
@@ -171,7 +171,7 @@ def test_help_of_every_entry_point_lists_every_group_and_option(command, capsys)
     for group, options in on_disk.items():
         assert group in lines, f"{group} missing from {command} --help:\n{out}"
         assert set(options) <= set(lines[group]), (group, options, lines[group])
-    from lit_titan.usage import KEYS
+    from lit_titan.cli.usage import KEYS
 
     for key, _ in KEYS:
         assert re.search(rf"^{re.escape(key)} +\S", out, re.MULTILINE), f"{key} missing from {command} --help"
@@ -183,7 +183,7 @@ def test_most_used_keys_in_help_exist_in_the_config():
     from omegaconf import OmegaConf
 
     from lit_titan.config import compose
-    from lit_titan.usage import KEYS
+    from lit_titan.cli.usage import KEYS
 
     cfg = compose(["data=text", "data.path=/nowhere"])  # data.path belongs to data=text|tokens
     missing = [key for key, _ in KEYS if OmegaConf.select(cfg, key, default="<missing>") == "<missing>"]
@@ -191,7 +191,7 @@ def test_most_used_keys_in_help_exist_in_the_config():
 
 
 def test_lit_titan_help_lists_every_subcommand(capsys):
-    from lit_titan import cli
+    from lit_titan.cli import commands as cli
 
     with pytest.raises(SystemExit) as done:
         cli.main(["--help"])
@@ -200,7 +200,7 @@ def test_lit_titan_help_lists_every_subcommand(capsys):
     for name in cli.COMMANDS:
         assert re.search(rf"^  {name} +\S", out, re.MULTILINE), out
     with pytest.raises(SystemExit):
-        import lit_titan.export as export
+        import lit_titan.cli.export as export
 
         export.main(["--help"])
     assert "llama3_405b" in capsys.readouterr().out  # export's --model lists the flavors of conf/model/
@@ -282,11 +282,11 @@ def test_csv_logger_warns_only_when_it_would_replace_metrics(tmp_path):
 def test_end_lines_name_tensorboard_and_mfu_when_known_and_only_outputs_that_exist(tmp_path):
     from lit_titan.callbacks import RunSummary
     from lit_titan.config import compose
-    from lit_titan.train import _tensorboard_dir
+    from lit_titan.job.build import tensorboard_dir
 
     run = tmp_path / "a"
-    tensorboard = _tensorboard_dir(compose(["logger=[csv,tensorboard]", f"run_dir={run}"]))
-    assert tensorboard == f"{run}/tensorboard" and _tensorboard_dir(compose([f"run_dir={run}"])) is None
+    tensorboard = tensorboard_dir(compose(["logger=[csv,tensorboard]", f"run_dir={run}"]))
+    assert tensorboard == f"{run}/tensorboard" and tensorboard_dir(compose([f"run_dir={run}"])) is None
     figures = {"steps": 3, "tokens": 12288, "final_loss": 8.7, "tokens_per_second": 192.5, "train_seconds": 63.8,
                "mfu": 0.412}
     # No checkpoints (checkpoint.enabled=false) and a TensorBoard logger that has not written: neither is named.

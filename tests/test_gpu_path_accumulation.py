@@ -154,7 +154,7 @@ PLAN_8B = ["+recipe=llama3_8b_h100_8"]  # FSDP 8, micro-batch 1 x accumulation 2
 
 
 def test_planner_gradient_term_follows_the_option(tmp_path):
-    from lit_titan.plan import make_plan
+    from lit_titan.cli.plan import make_plan
 
     # the unchunked loss of issue 17's figures: with the chunked loss (issue 20, default at 128K vocab)
     # the unsharded variant's 72.4 GiB fits, so the OOM below would not show
@@ -177,7 +177,7 @@ def test_planner_gradient_term_follows_the_option(tmp_path):
 
 
 def test_planner_step_time_uses_the_optimizer_training_would_build():
-    from lit_titan.plan import make_plan
+    from lit_titan.cli.plan import make_plan
 
     fused = make_plan(PLAN_8B, write=False)["perf"]
     foreach = make_plan([*PLAN_8B, "optim.foreach=true"], write=False)["perf"]
@@ -191,7 +191,7 @@ def test_planner_step_time_uses_the_optimizer_training_would_build():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the planner reads its memory")
 def test_plan_without_hbm_facts_says_fit_unknown(tmp_path):
     """cluster=gpu_1 has no hbm_gib; with no GPU here the plan cannot judge the fit and says so."""
-    proc = run_job([sys.executable, "-m", "lit_titan.plan", "cluster=gpu_1", "model.n_layers=2",
+    proc = run_job([sys.executable, "-m", "lit_titan.cli", "plan", "cluster=gpu_1", "model.n_layers=2",
                     f"run_dir={tmp_path}"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fit unknown" in proc.stdout and "fits: False" not in proc.stdout, proc.stdout
@@ -199,7 +199,7 @@ def test_plan_without_hbm_facts_says_fit_unknown(tmp_path):
     assert plan["fits"] is None and "hbm_gib" in plan["fit_unknown"] and not plan["reasons"]
     assert plan["per_rank"]["total_bytes"] > 0
     # an invalid layout is still a reason and fits is False, not unknown
-    from lit_titan.plan import make_plan
+    from lit_titan.cli.plan import make_plan
 
     bad = make_plan(["cluster=gpu_1", "parallel.tp=3"], write=False)
     assert bad["fits"] is False and bad["reasons"]

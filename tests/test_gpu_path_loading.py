@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lit_titan import export
+from lit_titan.cli import export
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3 import hf
 

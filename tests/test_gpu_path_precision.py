@@ -98,7 +98,7 @@ def test_tf32_only_for_fp32_training_on_cuda():
 
 def test_tf32_config_key_reaches_the_strategy():
     from lit_titan.config import compose
-    from lit_titan.train import build_strategy
+    from lit_titan.job.build import build_strategy
 
     assert build_strategy(compose([])).tf32 is True
     assert build_strategy(compose(["tf32=false"])).tf32 is False

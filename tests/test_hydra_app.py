@@ -165,7 +165,7 @@ def test_a_display_command_then_an_in_process_run_prints_no_stale_continue_comma
     """A notebook's ``main(["--cfg", "job"])`` leaves Hydra's record of that command (its output_dir is
     never set). A later ``train(cfg)`` in the same process once failed on it (MissingMandatoryValue)."""
     from lit_titan.config import compose
-    from lit_titan.train import continue_command
+    from lit_titan.job.resume import continue_command
 
     main(["--cfg", "job", "seed=3"])
     capsys.readouterr()

@@ -138,7 +138,7 @@ def test_chunked_training_matches_unchunked_single_process(layout, unchunked_ref
 
 @pytest.mark.slow
 def test_planner_counts_the_chunked_loss():
-    from lit_titan.plan import make_plan
+    from lit_titan.cli.plan import make_plan
 
     base = ["+recipe=llama3_8b_h100_8", "data.seq_len=8192"]
     off = make_plan([*base, "loss.chunk_tokens=0"])["per_rank"]["activation_detail"]

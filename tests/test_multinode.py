@@ -25,7 +25,7 @@ import pytest
 from helpers import TINY, assert_losses_match, losses, read_metrics
 
 from lit_titan.config import ConfigError, compose
-from lit_titan.planner import check_cluster, launch_command
+from lit_titan.cli.launch import check_cluster, launch_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -77,7 +77,7 @@ def _kill_group(pgid: int) -> None:
 
 def _printed(overrides: list[str], cwd: Path) -> str:
     """What ``lit-titan launch --dry-run OVERRIDES`` prints, through the real command line."""
-    proc = subprocess.run([sys.executable, "-m", "lit_titan.launch", "--dry-run", *overrides], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "lit_titan.cli", "launch", "--dry-run", *overrides], capture_output=True,
                           text=True, cwd=cwd, env=_clean_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip()
@@ -262,13 +262,13 @@ def test_a_profile_that_does_not_fit_the_layout_is_one_line(overrides, names):
 
 def test_launch_refuses_before_starting_anything(tmp_path):
     """Through the command line, without --dry-run: one line, exit 2, nothing started or written."""
-    proc = subprocess.run([sys.executable, "-m", "lit_titan.launch", *HSDP[:3], "parallel.dp_shard=4"],
+    proc = subprocess.run([sys.executable, "-m", "lit_titan.cli", "launch", *HSDP[:3], "parallel.dp_shard=4"],
                           capture_output=True, text=True, cwd=tmp_path, env=_clean_env(MASTER_ADDR="127.0.0.1"),
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lit-titan: error: cluster has 2 node(s) x 2 device(s)")
     assert "cluster.num_nodes" in lines[0] and not list(tmp_path.iterdir())
-    no_addr = subprocess.run([sys.executable, "-m", "lit_titan.launch", *HSDP], capture_output=True, text=True,
+    no_addr = subprocess.run([sys.executable, "-m", "lit_titan.cli", "launch", *HSDP], capture_output=True, text=True,
                              cwd=tmp_path, env=_clean_env(), timeout=300)
     assert no_addr.returncode == 2 and "set MASTER_ADDR" in no_addr.stderr and not list(tmp_path.iterdir())

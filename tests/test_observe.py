@@ -96,7 +96,7 @@ def test_report_refuses_what_is_not_a_run(tmp_path):
 
 @pytest.mark.slow  # a command line: its imports take 10-20 s on 2 busy cores
 def test_report_command_prints_one_line_for_what_is_not_a_run(tmp_path):
-    proc = run_job([sys.executable, "-m", "lit_titan.report", str(tmp_path)], timeout=180)
+    proc = run_job([sys.executable, "-m", "lit_titan.cli", "report", str(tmp_path)], timeout=180)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "run_dir=" in proc.stderr
 
 

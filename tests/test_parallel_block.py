@@ -91,7 +91,7 @@ def test_parallel_block_matches_single_process(tmp_path, worlds):
 
 
 def test_planner_tp_comm_halves_and_one_norm_fewer():
-    from lit_titan.plan import make_plan
+    from lit_titan.cli.plan import make_plan
 
     base = ["model=llama3_8b", "cluster=h100_8", "parallel.tp=8", "data.seq_len=8192", "data.global_batch_size=8",
             "data.micro_batch_size=1"]

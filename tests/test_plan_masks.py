@@ -72,7 +72,7 @@ BASE = ["model=llama3_8b", "cluster=h100_8", "parallel.tp=8", "data.seq_len=3276
 
 
 def _acts(*extra: str) -> dict:
-    from lit_titan.plan import make_plan
+    from lit_titan.cli.plan import make_plan
 
     return make_plan([*BASE, *extra], write=False)["per_rank"]["activation_detail"]
 

@@ -112,8 +112,8 @@ def _cli(args, tmp_path, env=None):
     (["lit_titan.train", "trainer.max_steps=ten"], "trainer.max_steps=ten: wrong type"),  # class 1: wrong type
     (["lit_titan.train", "checkpoint.keep_last=-1"], "checkpoint.keep_last=-1: out of range"),  # class 2: range
     (["lit_titan.train", "run_dir=/proc/lit-titan-run"], "run_dir=/proc/lit-titan-run: cannot write"),  # class 5
-    (["lit_titan.plan", "optim.betas=[0.9]"], "optim.betas=[0.9]: not two numbers"),
-    (["lit_titan.prepare", "data=text", "data.path=nowhere", "out=out"], "data.path=nowhere: no such"),
+    (["lit_titan.cli", "plan", "optim.betas=[0.9]"], "optim.betas=[0.9]: not two numbers"),
+    (["lit_titan.cli", "prepare", "data=text", "data.path=nowhere", "out=out"], "data.path=nowhere: no such"),
 ])
 def test_cli_one_line_and_exit_code_2(args, starts, tmp_path):
     code, lines, proc = _cli(args, tmp_path)
@@ -159,7 +159,7 @@ def test_a_finished_rank_exits_with_its_code_after_its_exit_handlers(tmp_path):
 import atexit, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from lit_titan.cli import exit_rank
+from lit_titan.job.ranks import exit_rank
 out = Path({str(tmp_path)!r})
 atexit.register(lambda: (out / "atexit").write_text("ran"))
 pool = ThreadPoolExecutor(1); pool.submit(lambda: None).result()  # an idle worker thread: must not hang the exit

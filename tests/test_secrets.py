@@ -28,7 +28,7 @@ TOKEN = f"lttok{uuid.uuid4().hex}"[:40]  # W&B keys are 40 characters
 
 def test_prepare_to_s3_then_credentials_appear_in_no_file_and_no_output(tmp_path: Path, s3_server: Any,
                                                                       monkeypatch: Any) -> None:
-    from lit_titan.prepare import main as prepare
+    from lit_titan.cli.prepare import main as prepare
 
     # prepare out=s3://: credentials from the environment, as docs/data.md recommends
     for key, value in s3_server.env().items():
@@ -89,7 +89,7 @@ def test_prepare_to_s3_then_credentials_appear_in_no_file_and_no_output(tmp_path
 def test_what_is_secret_and_printed_commands_round_trip_through_the_shell(monkeypatch: Any, tmp_path: Path) -> None:
     """The redaction rules (lit_titan/redact.py), error lines, and shell quoting of the end-of-run lines."""
     from lit_titan.callbacks import RunSummary
-    from lit_titan.cli import scrub
+    from lit_titan.job.ranks import scrub
     from lit_titan.redact import is_secret_key, redact, secrets_of
 
     secret = ["aws_secret_access_key", "aws_access_key_id", "aws_session_token", "key", "api_key", "hf_token",

@@ -90,9 +90,9 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
     """Meta model -> ``TitanStrategy.parallelize`` over a fake PG of ``dims.world_size`` ranks (rank 0)."""
     from lit_titan.models.llama3 import Transformer
     from lit_titan.strategies.pipeline import split_units, stage_ids
-    from lit_titan.train import build_strategy
+    from lit_titan.job.build import build_strategy
 
-    strategy = build_strategy(cfg)  # the same constructor call as lit_titan.train
+    strategy = build_strategy(cfg)  # the same constructor call as a training run
     with fake_process_group(dims.world_size):
         strategy.init_layout(dims, "cpu")  # what setup_environment does after its process group exists
         info = _register_callbacks(strategy, callbacks)

@@ -44,12 +44,12 @@ def _checks(cfg: DictConfig, args, dims, reasons: list[str], schema_checked: boo
 
 
 def _instantiate_callbacks(cfg: DictConfig, reasons: list[str]) -> list:
-    from lit_titan.train import _instantiate
+    from lit_titan.job.build import instantiate
 
     out = []
     for name, node in (cfg.get("callbacks") or {}).items():
         try:
-            out.append(_instantiate(node))
+            out.append(instantiate(node))
         except Exception as err:  # noqa: BLE001 - reported, not raised
             reasons.append(f"callbacks.{name}: {type(err).__name__}: {err}")
     return out

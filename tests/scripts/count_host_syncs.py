@@ -132,7 +132,7 @@ class SyncCounter(L.Callback):
 def main() -> None:
     out, overrides = Path(sys.argv[1]), sys.argv[2:]
     from lit_titan.config import compose
-    from lit_titan.train import train
+    from lit_titan.job.run import train
 
     counter = SyncCounter().install()
     train(compose(overrides), callbacks=[counter])

@@ -19,7 +19,7 @@ import lightning as L
 import torch
 
 from lit_titan.config import compose
-from lit_titan.train import train
+from lit_titan.job.run import train
 
 SLOW_S = 0.5
 POISON_STEP = 5

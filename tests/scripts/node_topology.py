@@ -20,7 +20,7 @@ import lightning as L
 import torch.distributed as dist
 
 from lit_titan.config import compose
-from lit_titan.train import train
+from lit_titan.job.run import train
 
 
 class RecordTopology(L.Callback):

@@ -70,13 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     mode, out, overrides = argv[0], argv[1], argv[2:]
     with colwise_embedding():
         if mode == "plan":
-            from lit_titan.plan import make_plan
+            from lit_titan.cli.plan import make_plan
 
             with open(out, "w") as f:
                 json.dump(make_plan(overrides, write=False)["per_rank"]["example_parameters"], f)
         else:
             from lit_titan.config import compose
-            from lit_titan.train import train
+            from lit_titan.job.run import train
 
             train(compose(overrides), callbacks=[DumpPlacements(out)])
 

@@ -10,7 +10,7 @@ import os
 
 import torch.distributed as dist
 
-from lit_titan.cli import run_entry_point
+from lit_titan.cli.entry import run_entry_point
 
 
 def main() -> None:

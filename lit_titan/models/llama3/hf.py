@@ -302,7 +302,7 @@ def check_hf_dir(path: str, args: ModelArgs) -> None:
     check_hf_expressible(args, where)
     root = Path(path).expanduser()
     hint = "point it at a Hugging Face Llama directory (config.json + *.safetensors), e.g. written by " \
-           "`python -m lit_titan.export CHECKPOINT OUT_DIR`"
+           "`lit-titan export CHECKPOINT OUT_DIR`"
     if not root.is_dir():
         raise FileNotFoundError(f"{where} is not a directory; {hint}")
     if not (root / CONFIG_FILE).is_file():

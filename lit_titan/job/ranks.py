@@ -1,7 +1,7 @@
-"""``lit-titan <command> [overrides]``: dispatches to ``python -m lit_titan.<command>``.
+"""Which rank this process is, how a rank reports a failure in one line, and how a finished rank exits.
 
-Exec'ing the module (rather than importing it) keeps ``sys.argv`` in the form Lightning's
-process launcher re-runs for the other ranks.
+What a run needs whatever started it (a command, a notebook, torchrun): the commands' exit-code
+wrapper (lit_titan/cli/entry.py) calls these, and so do the run's builders (only rank 0 speaks).
 """
 
 from __future__ import annotations
@@ -10,59 +10,11 @@ import os
 import sys
 import time
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from lit_titan.errors import Preempted, is_peer_failure
-
-COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": "lit_titan.plan",
-            "launch": "lit_titan.launch", "export": "lit_titan.export", "report": "lit_titan.report",
-            "preflight": "lit_titan.preflight"}
-
+from lit_titan.errors import is_peer_failure
 
 QUIET_RANK_EXIT_DELAY_S = 5.0  # see report_user_error
-
-
-def run_entry_point(main: Callable[[], Any],
-                    user_errors: tuple[type[BaseException], ...] | Callable[[], tuple[type[BaseException], ...]],
-                    rank_failures: bool = False) -> None:
-    """Run an entry point's ``main``; an error in the user's input is one line and exit code 2.
-
-    An exception with an ``exit_code`` (a stop every rank decided on, e.g. ``NonFiniteError``) is
-    one line and that code.
-
-    ``user_errors``: the exception types, or a function returning them, called only when ``main``
-    raises (their modules may be slow to import, and ``--help`` should not wait for them).
-
-    ``rank_failures``: in a job of several processes, any other exception is one line naming the rank
-    and the file holding its traceback (``report_rank_failure``), exit code 1. ``HYDRA_FULL_ERROR=1``
-    (Hydra's own switch) shows the traceback instead.
-    """
-    try:
-        main()
-    except Preempted as err:  # saved and said (lit_titan/callbacks/preemption.py): the requeue exit code
-        if err.wait_for_parent is not None:
-            wait_for_parent(err.wait_for_parent)
-        _exit(err.code, rank_failures)
-    except (user_errors() if callable(user_errors) else user_errors) as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        report_user_error(err)
-        _exit(2, rank_failures)
-    except Exception as err:  # noqa: BLE001 - a runtime failure (OOM, collective timeout, I/O) on some rank
-        code = getattr(err, "exit_code", None)  # a stop the run decided on (lit_titan.errors.NonFiniteError)
-        if isinstance(code, int) and os.environ.get("HYDRA_FULL_ERROR") != "1":
-            report_user_error(err)
-            _exit(code, rank_failures)
-        if rank_failures and is_peer_failure(err) and os.environ.get("HYDRA_FULL_ERROR") != "1" and is_rank_of_a_job():
-            report_peer_failure()  # a peer's process ended: name it, not this rank's collective that failed
-            _exit(1, rank_failures)
-        if not rank_failures or os.environ.get("HYDRA_FULL_ERROR") == "1" or job_rank() is None:
-            raise  # one process: the traceback, as Python prints it
-        report_rank_failure(err)
-        _exit(1, rank_failures)
-    _exit(0, rank_failures)
 
 
 def wait_for_parent(pid: int, timeout_s: float = 60.0) -> None:
@@ -70,14 +22,6 @@ def wait_for_parent(pid: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while os.getppid() == pid and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def _exit(code: int, launched_job: bool) -> None:
-    """``sys.exit(code)``; a rank of a multi-process job skips interpreter teardown (``exit_rank``)."""
-    if launched_job and is_rank_of_a_job():
-        exit_rank(code)
-    if code:
-        sys.exit(code)
 
 
 def exit_rank(code: int) -> None:
@@ -227,17 +171,3 @@ def one_line(err: BaseException | str) -> str:
 def is_launcher_rank_zero() -> bool:
     """Rank 0 of the job under torchrun, Lightning's launcher, or Slurm/submitit tasks (SLURM_PROCID)."""
     return all(os.environ.get(k, "0") == "0" for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        from lit_titan.usage import cli_help  # every subcommand with one line
-
-        print(cli_help(), file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
-        sys.exit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
-    os.execv(sys.executable, [sys.executable, "-m", COMMANDS[argv[0]], *argv[1:]])
-
-
-if __name__ == "__main__":
-    main()

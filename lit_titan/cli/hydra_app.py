@@ -46,8 +46,8 @@ _CFG_TYPES = ("job", "hydra", "all")
 def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> dict[str, Any]:
     """Parse ``argv`` like ``@hydra.main`` and run ``train`` under it; the run summary for one run, else ``{}``.
 
-    ``train`` (``lit_titan.train.train``) is handed in, not imported: the app sits below the
-    training entry point that calls it.
+    ``train`` (``lit_titan.job.run.train``) is handed in, not imported: the app sits below the
+    train command that calls it.
     """
     from hydra._internal.utils import get_args_parser
     from hydra.types import RunMode
@@ -57,7 +57,7 @@ def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> d
     config_name = args.config_name or CONFIG_NAME
     overrides = list(args.overrides)
     hydra = _create_hydra(args)
-    from lit_titan.usage import render  # generated from conf/ (+ --config-dir): lit_titan/usage.py
+    from lit_titan.cli.usage import render  # generated from conf/ (+ --config-dir): lit_titan/cli/usage.py
 
     shown = {"help": lambda: print(render("train", extra_dirs=(args.config_dir,) if args.config_dir else ())),
              "hydra_help": lambda: hydra.hydra_help(config_name=config_name, args_parser=parser, args=args),
@@ -82,7 +82,7 @@ def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> d
         hydra.multirun(config_name=config_name, task_function=partial(task, train=train, record=record),
                        overrides=[*overrides, "hydra.mode=MULTIRUN", _NO_HYDRA_RECORD])
         return {}
-    from lit_titan.cli import is_launcher_rank_zero
+    from lit_titan.job.ranks import is_launcher_rank_zero
 
     record = record if is_launcher_rank_zero() else None  # rank 0 records
     _outcome.clear()
@@ -147,7 +147,7 @@ def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | No
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from lit_titan.cli import is_launcher_rank_zero
+    from lit_titan.job.ranks import is_launcher_rank_zero
 
     hc = HydraConfig.get()
     if os.environ.get("SUBMITIT_EXECUTOR"):  # one task of a submitit job = one rank
@@ -189,7 +189,7 @@ def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> JobS
 
     Also what the jobs point at (data, tokenizer, run_dir, Float8 hardware: lit_titan/config/inputs.py),
     so nothing, not even Hydra's run directory, is created for a job that cannot run. The answer is the
-    same on every rank of a launched job, so only the first prints it (cli.report_user_error).
+    same on every rank of a launched job, so only the first prints it (job.ranks.report_user_error).
     """
     from hydra.types import RunMode
 

@@ -1,4 +1,4 @@
-"""``python -m lit_titan.plan [hydra overrides]``: dry-run a layout for a cluster profile, no accelerator.
+"""``lit-titan plan [hydra overrides]``: dry-run a layout for a cluster profile, no accelerator.
 
 Takes the same overrides as ``lit_titan.train`` (e.g. ``+recipe=llama3_405b_h100_512``), builds the
 model on the meta device and applies the training parallelisation (``TitanStrategy.parallelize``)
@@ -6,9 +6,9 @@ over a fake process group of the profile's world size, then reports rank 0's par
 optimizer and activation memory against the profile's HBM, FLOPs per token, an estimated step time
 and MFU bound, and every reason the layout cannot work. Writes ``${run_dir}/plan.json``.
 
-    python -m lit_titan.plan +recipe=llama3_405b_h100_512
-    python -m lit_titan.plan model=llama3_8b cluster=h100_8 data.seq_len=8192 data.global_batch_size=16
-    python -m lit_titan.plan --launch +recipe=llama3_70b_h100_256   # print the launch command instead
+    lit-titan plan +recipe=llama3_405b_h100_512
+    lit-titan plan model=llama3_8b cluster=h100_8 data.seq_len=8192 data.global_batch_size=16
+    lit-titan plan --launch +recipe=llama3_70b_h100_256   # print the launch command instead
     lit-titan plan search=true model=llama3_405b cluster=h100_512 data.seq_len=8192 data.global_batch_size=256
     lit-titan plan calibrate=runs/my-run                             # fit efficiencies -> runs/my-run/calibration.yaml
     lit-titan plan search=true plan.calibration=runs/my-run/calibration.yaml ...
@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from lit_titan.config import ConfigError, compose
-from lit_titan.planner import launch_command, make_plan_from_cfg, render_table
+from lit_titan.cli.launch import launch_command
+from lit_titan.planner import make_plan_from_cfg, render_table
 
 __all__ = ["make_plan", "main"]
 
@@ -93,7 +94,7 @@ def _write(cfg, name: str, obj: dict[str, Any]) -> Path:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
-        from lit_titan.usage import render
+        from lit_titan.cli.usage import render
 
         print(render("plan", intro=__doc__.strip(), examples=False))  # the examples are in the docstring
         return {}
@@ -119,6 +120,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from lit_titan.cli import run_entry_point
+    from lit_titan.cli.entry import run_entry_point
 
     run_entry_point(main, (ConfigError,))

@@ -1,13 +1,13 @@
-"""``python -m lit_titan.export CHECKPOINT_DIR OUT_DIR``: a training checkpoint as a Hugging Face Llama.
+"""``lit-titan export CHECKPOINT_DIR OUT_DIR``: a training checkpoint as a Hugging Face Llama.
 
 Writes ``config.json`` and the weights as safetensors (``model.safetensors``, or
 ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` past ``--max-shard-size``)
 that ``transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)`` loads, and that training can start
 from with ``model.init_from_hf=OUT_DIR``.
 
-    python -m lit_titan.export runs/my-run/checkpoints/step-000100 hf/my-model
-    python -m lit_titan.export CKPT OUT --dtype bf16 --max-shard-size 2GB
-    python -m lit_titan.export CKPT OUT --model llama3_debug model.dim=64 model.n_layers=2
+    lit-titan export runs/my-run/checkpoints/step-000100 hf/my-model
+    lit-titan export CKPT OUT --dtype bf16 --max-shard-size 2GB
+    lit-titan export CKPT OUT --model llama3_debug model.dim=64 model.n_layers=2
 
 The model's shape comes from the run's ``config.yaml`` (``<run_dir>/config.yaml``, beside
 ``<run_dir>/checkpoints/``), or from ``--model FLAVOR [model.KEY=VALUE ...]``. One process, no
@@ -228,12 +228,12 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype =
 # ---- command line --------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, like every lit-titan entry point
-        raise ExportError(f"{message} (usage: python -m lit_titan.export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16] "
+        raise ExportError(f"{message} (usage: lit-titan export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16] "
                           f"[--max-shard-size 5GB] [--model FLAVOR model.KEY=VALUE ...])")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m lit_titan.export", description=__doc__.split("\n\n")[0],
+    parser = _Parser(prog="lit-titan export", description=__doc__.split("\n\n")[0],
                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("checkpoint", help="a DCP checkpoint directory, e.g. <run_dir>/checkpoints/step-XXXXXX")
     parser.add_argument("out", help="the Hugging Face directory to write (new or empty)")
@@ -241,7 +241,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="dtype of the written weights (default fp32: lossless; bf16 halves the size)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    from lit_titan.usage import config_groups  # the flavors in conf/model/, so the list cannot drift
+    from lit_titan.cli.usage import config_groups  # the flavors in conf/model/, so the list cannot drift
 
     parser.add_argument("--model", default=None, help=f"model flavor ({', '.join(config_groups()['model'])}), when "
                                                       f"the run's config.yaml is not there")
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> Path:
     except USER_ERRORS as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        from lit_titan.cli import report_user_error
+        from lit_titan.job.ranks import report_user_error
 
         report_user_error(err)
         raise SystemExit(2) from None

@@ -1,4 +1,4 @@
-"""``python -m lit_titan.prepare [hydra overrides] out=DIR``: tokenize a corpus once into token shards.
+"""``lit-titan prepare [hydra overrides] out=DIR``: tokenize a corpus once into token shards.
 
 Takes the same overrides as ``lit_titan.train`` for the data and the tokenizer (``data=text
 data.path=DIR``, ``data.max_bytes``, ``data.val_fraction``, ``data.tokenizer.*``, ``model=...`` whose
@@ -7,11 +7,11 @@ training would (a BPE is trained on the training files and cached in ``data.data
 and writes litdata token shards, ``tokenizer.json`` and ``manifest.json`` into ``out=DIR``
 (format: ``lit_titan/data/prepare.py``, docs/data.md). Re-running on the same input is a no-op.
 
-    python -m lit_titan.prepare data=text data.path=corpus/ out=prepared/
-    python -m lit_titan.prepare data=text data.path=corpus/ data.tokenizer.kind=hf \\
+    lit-titan prepare data=text data.path=corpus/ out=prepared/
+    lit-titan prepare data=text data.path=corpus/ data.tokenizer.kind=hf \\
         data.tokenizer.path=llama3/tokenizer.json out=prepared/ workers=16
-    python -m lit_titan.prepare out=prepared/stdlib          # the embedded corpus
-    python -m lit_titan.prepare data=text data.path=corpus/ out=s3://BUCKET/PREFIX
+    lit-titan prepare out=prepared/stdlib          # the embedded corpus
+    lit-titan prepare data=text data.path=corpus/ out=s3://BUCKET/PREFIX
 
 Prepare-only arguments: ``out=DIR`` (required; a local directory: new, empty, or prepared before;
 or ``s3://BUCKET/PREFIX``: prepared in a temporary directory, then uploaded with manifest.json last,
@@ -191,7 +191,7 @@ def summary_line(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
-        from lit_titan.usage import render
+        from lit_titan.cli.usage import render
 
         print(render("prepare", intro=__doc__.strip(), examples=False))  # the examples are in the docstring
         return {}
@@ -201,6 +201,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from lit_titan.cli import run_entry_point
+    from lit_titan.cli.entry import run_entry_point
 
     run_entry_point(main, USER_ERRORS)

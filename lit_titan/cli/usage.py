@@ -10,18 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["COMMANDS", "KEYS", "cli_help", "config_groups", "render"]
-
-# ``lit-titan <command>``: one line each (tests check this against lit_titan.cli.COMMANDS).
-COMMANDS = {
-    "train": "train a Llama under any parallel layout (Hydra overrides; -m sweeps)",
-    "prepare": "tokenize your text once into token shards (data=text data.path=DIR out=DIR)",
-    "plan": "dry-run a layout for a cluster profile: memory, step time, MFU bound; search=true ranks layouts",
-    "launch": "print (--dry-run) or run the torchrun / Slurm command for a cluster profile",
-    "export": "turn a checkpoint into a Hugging Face Llama directory",
-    "report": "write RUN_DIR/report.html: loss, throughput, per-rank timeline, checkpoints",
-    "preflight": "burn-in and bandwidth test of every rank, mesh group and intra-/inter-node group; names slow ranks/links (train's overrides)",
-}
+__all__ = ["KEYS", "cli_help", "config_groups", "render"]
 
 # The keys a user changes most, one line each (every one exists in the composed config: tested).
 KEYS = (
@@ -48,19 +37,19 @@ EXAMPLES = {
         "python -m lit_titan.train data=text data.path=my_texts/ model=llama3_2_1b cluster=gpu_1",
     ],
     "plan": [
-        "python -m lit_titan.plan +recipe=llama3_405b_h100_512",
-        "python -m lit_titan.plan model=llama3_8b cluster=h100_8 data.seq_len=8192 data.global_batch_size=16",
+        "lit-titan plan +recipe=llama3_405b_h100_512",
+        "lit-titan plan model=llama3_8b cluster=h100_8 data.seq_len=8192 data.global_batch_size=16",
         "lit-titan plan search=true model=llama3_405b cluster=h100_512 data.seq_len=8192 data.global_batch_size=256",
     ],
     "prepare": [
-        "python -m lit_titan.prepare data=text data.path=my_texts/ out=prepared/",
-        "python -m lit_titan.prepare data=text data.path=my_texts/ data.tokenizer.kind=hf "
+        "lit-titan prepare data=text data.path=my_texts/ out=prepared/",
+        "lit-titan prepare data=text data.path=my_texts/ data.tokenizer.kind=hf "
         "data.tokenizer.path=tokenizer.json out=prepared/ workers=8",
-        "python -m lit_titan.prepare out=prepared/stdlib                    # the embedded corpus",
+        "lit-titan prepare out=prepared/stdlib                    # the embedded corpus",
     ],
     "launch": [
-        "python -m lit_titan.launch --dry-run +recipe=llama3_8b_h100_8",
-        "python -m lit_titan.launch --dry-run +recipe=llama3_70b_h100_256   # an sbatch script with srun",
+        "lit-titan launch --dry-run +recipe=llama3_8b_h100_8",
+        "lit-titan launch --dry-run +recipe=llama3_70b_h100_256   # an sbatch script with srun",
         "lit-titan launch cluster=gpu_1 cluster.devices=8 parallel.tp=2",
     ],
 }
@@ -96,7 +85,9 @@ def config_groups(extra_dirs: tuple[Path | str, ...] = ()) -> dict[str, list[str
 def render(command: str, extra_dirs: tuple[Path | str, ...] = (), intro: str | None = None,
            examples: bool = True) -> str:
     """The ``--help`` text of ``lit-titan COMMAND`` (one that takes the training overrides)."""
-    lines = [intro or INTRO.get(command) or f"lit-titan {command}: {COMMANDS[command]}", "",
+    from lit_titan.cli.commands import COMMANDS
+
+    lines = [intro or INTRO.get(command) or f"lit-titan {command}: {COMMANDS[command].summary}", "",
              "== Config groups (choose one per group, e.g. model=llama3_8b; callbacks and logger take lists: "
              "logger=[csv,tensorboard]; a recipe is added: +recipe=NAME) =="]
     lines += [f"{group}: {', '.join(options)}" for group, options in config_groups(extra_dirs).items()]
@@ -112,7 +103,9 @@ def render(command: str, extra_dirs: tuple[Path | str, ...] = (), intro: str | N
 
 def cli_help() -> str:
     """``lit-titan --help``: every subcommand with one line."""
+    from lit_titan.cli.commands import COMMANDS
+
     width = max(map(len, COMMANDS))
     return "\n".join(["usage: lit-titan COMMAND [arguments...]   (lit-titan COMMAND --help: that command's options)",
-                      "", "commands:", *(f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()), "",
+                      "", "commands:", *(f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items()), "",
                       "Start: python -m lit_titan.train trainer.max_steps=20; README.md, section \"First hour\"."])

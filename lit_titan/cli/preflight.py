@@ -15,10 +15,10 @@ def main(argv: list[str] | None = None) -> None:
     """
     import sys
 
-    from lit_titan.cli import run_entry_point
     from lit_titan.callbacks.preflight import PreflightFinished as Finished
-    from lit_titan.train import USER_ERRORS
-    from lit_titan.train import main as train_main
+    from lit_titan.cli.entry import run_entry_point
+    from lit_titan.cli.train import main as train_main
+    from lit_titan.cli.train import user_errors
 
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = ["preflight.enabled=true", "preflight.only=true", "checkpoint.enabled=false"]
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         except Finished:
             pass
 
-    run_entry_point(run, USER_ERRORS)
+    run_entry_point(run, user_errors)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""The command that starts ``lit_titan.train`` on a cluster profile, for people who start jobs by hand.
+"""``lit-titan launch [--dry-run] [overrides]``: the command that starts ``lit_titan.train`` on a cluster profile.
+
+Prints (``--dry-run``) or runs it: ``torchrun`` (run on every node; several nodes meet at
+``$MASTER_ADDR``), or an sbatch script with ``srun`` under Slurm (one task per device; Lightning's
+SLURMEnvironment / TorchElasticEnvironment pick the ranks up), which is printed for ``sbatch``. The
+config is checked first, so a profile or layout that cannot work fails here, not on the fleet
+(docs/launching.md).
 
 - ``cluster.launcher: torchrun``: one ``torchrun`` agent per node. On one node it picks a free
   rendezvous port; on several, every node runs the same line and finds node 0 through
@@ -16,12 +22,17 @@ the devices per node puts ``dp_replicate`` across nodes and everything else insi
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
+import sys
 import time
 
 from omegaconf import DictConfig
 
+from lit_titan.config import compose, validate
 from lit_titan.errors import ConfigError
+from lit_titan.strategies.parallel_dims import LayoutError
 
 LAUNCHERS = ("torchrun", "srun")
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -102,3 +113,36 @@ def launch_command(cfg: DictConfig, overrides: list[str]) -> str:
     # Every node runs this same line; node 0's address comes from the environment (bash expands it).
     endpoint = "${MASTER_ADDR:?set MASTER_ADDR to node 0}:${MASTER_PORT:-29500}"
     return f"{head} --rdzv_endpoint={endpoint} --rdzv_id=lit-titan -m lit_titan.train {args}".rstrip()
+
+
+def main(argv: list[str] | None = None) -> str:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        from lit_titan.cli.usage import render
+
+        print(render("launch", intro=__doc__.strip()))
+        return ""
+    dry_run = "--dry-run" in argv
+    overrides = [a for a in argv if a != "--dry-run"]
+    cfg = compose(overrides)
+    check_cluster(cfg)  # the profile against the layout first: its message names the cluster keys
+    validate(cfg)
+    command = launch_command(cfg, overrides)
+    if dry_run:
+        print(command)
+    elif cfg.cluster.get("launcher", "torchrun") == "srun":
+        print(command)
+        print("\n# save this as a script and submit it with sbatch", file=sys.stderr)
+    else:
+        if int(cfg.cluster.num_nodes) > 1 and not os.environ.get("MASTER_ADDR"):
+            raise ConfigError(f"cluster.num_nodes={cfg.cluster.num_nodes}: set MASTER_ADDR to node 0's address and "
+                              f"run this same command on every node (or --dry-run to print it)")
+        # bash, not shlex.split: the multi-node line reads $MASTER_ADDR / $MASTER_PORT.
+        sys.exit(subprocess.run(["bash", "-c", command]).returncode)
+    return command
+
+
+if __name__ == "__main__":
+    from lit_titan.cli.entry import run_entry_point
+
+    run_entry_point(main, (ConfigError, LayoutError))
