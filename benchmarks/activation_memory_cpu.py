@@ -52,7 +52,8 @@ def measure(overrides: list[str]) -> dict[str, Any]:
     """Rank 0's peak activation + temporary bytes for one step of the layout ``overrides``."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from lit_titan.config import compose, model_args, parallel_dims
+    from lit_titan.config import compose
+    from lit_titan.config.spec import model_args, parallel_dims
     from lit_titan.models.llama3 import Transformer
     from lit_titan.planner.build import _register_callbacks, fake_process_group
     from lit_titan.planner.core import _instantiate_callbacks

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from lit_titan.config import ConfigError, compose, model_args, validate
+from lit_titan.config import ConfigError, compose, validate
+from lit_titan.config.spec import model_args
 from lit_titan.models.llama3 import FLAVORS
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.train import main
@@ -44,8 +45,8 @@ def test_documented_overrides_apply():
      LayoutError, "n_kv_heads"),
     (["cluster.devices=2", "parallel.tp=2", "data.seq_len=33"], LayoutError, "data.seq_len"),
     (["cluster.devices=4", "parallel.cp=2", "data.seq_len=34"], LayoutError, "2*cp*tp"),
-    (["cluster.devices=4", "data.global_batch_size=6"], LayoutError, "data.global_batch_size"),
-    (["cluster.devices=2", "data.global_batch_size=8", "data.micro_batch_size=3"], LayoutError, "micro_batch_size"),
+    (["cluster.devices=4", "data.global_batch_size=6"], ConfigError, "data.global_batch_size"),
+    (["cluster.devices=2", "data.global_batch_size=8", "data.micro_batch_size=3"], ConfigError, "micro_batch_size"),
 ])
 def test_bad_config_is_refused_before_work(overrides, error, needle):
     with pytest.raises(error, match=needle.replace("*", r"\*").replace(".", r"\.")):
@@ -96,3 +97,34 @@ def test_dp_rank_mapping_without_process_groups():
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert dims.coords(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
     assert json.dumps(dims.as_dict())
+
+
+def test_the_train_command_checks_its_config_once(tmp_path, monkeypatch):
+    """One check of the config, one resolution of the degrees and one look at the inputs per run: the
+    command's app validates and hands the JobSpec on (train() used to validate again and the strategy
+    to resolve the degrees a third time). The functions are wrapped to count calls, not replaced."""
+    import collections
+
+    from lit_titan.cli import hydra_app
+    from lit_titan.config import inputs, spec
+    from lit_titan.config.compose import RUN_DIR_ENV
+
+    counts: collections.Counter = collections.Counter()
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(spec, "check_schema", counted("schema", spec.check_schema))
+    monkeypatch.setattr(spec, "_build", counted("rules", spec._build))
+    monkeypatch.setattr(hydra_app, "check_inputs", counted("inputs", hydra_app.check_inputs))
+    monkeypatch.setattr(inputs, "check_inputs", counted("inputs", inputs.check_inputs))
+    resolve = ParallelDims.resolve.__func__
+    monkeypatch.setattr(ParallelDims, "resolve", classmethod(counted("degrees", resolve)))
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))  # restored afterwards: main() exports it
+    summary = main([*TINY, "trainer.max_steps=1", "checkpoint.enabled=false", "data.micro_batch_size=4",
+                    f"run_dir={tmp_path}"])
+    assert summary and (tmp_path / "metrics.csv").is_file()
+    assert counts == {"schema": 1, "rules": 1, "degrees": 1, "inputs": 1}, counts

@@ -161,7 +161,7 @@ def test_prune_before_write_never_deletes_the_newest_complete_checkpoint(tmp_pat
 # ---- disk space: through the real training loop -------------------------------------------------
 def _main(overrides: list[str], run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lit_titan.cli.train import user_errors
-    from lit_titan.config import RUN_DIR_ENV
+    from lit_titan.config.compose import RUN_DIR_ENV
     from lit_titan.train import main
     from lit_titan.cli.entry import run_entry_point
 
@@ -203,7 +203,7 @@ class _Observe(L.Callback):
 
 def test_prune_before_write_keeps_peak_checkpoints_at_keep_last(tmp_path, monkeypatch):
     from lit_titan.config import compose
-    from lit_titan.config import RUN_DIR_ENV
+    from lit_titan.config.compose import RUN_DIR_ENV
     from lit_titan.job.run import train
 
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))

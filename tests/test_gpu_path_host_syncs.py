@@ -37,7 +37,7 @@ def _in_process(run_dir: Path, overrides: list[str], monkeypatch, count: bool) -
     finally:
         sys.path.remove(str(SCRIPT.parent))
     from lit_titan.config import compose
-    from lit_titan.config import RUN_DIR_ENV
+    from lit_titan.config.compose import RUN_DIR_ENV
     from lit_titan.job.run import train
 
     monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))  # restored after the test

@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import TINY, assert_losses_match, losses
-from lit_titan.config import ConfigError, compose, model_args, validate
+from lit_titan.config import ConfigError, compose, validate
+from lit_titan.config.spec import model_args
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3 import hf
 from lit_titan.models.llama3.args import RopeScaling

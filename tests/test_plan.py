@@ -199,7 +199,8 @@ DEBUG_LAYOUTS = [dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B"), di
 @pytest.mark.parametrize("layout", DEBUG_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_analytic_layout_matches_the_meta_build(layout):
     """The search's closed-form rank-0 layout equals what TitanStrategy.parallelize builds (fake PG, 8 ranks)."""
-    from lit_titan.config import compose, model_args, parallel_dims, pipeline_config
+    from lit_titan.config import compose
+    from lit_titan.config.spec import model_args, parallel_dims, pipeline_config
     from lit_titan.planner.analytic import analytic_layout
     from lit_titan.planner.build import build_layout
 

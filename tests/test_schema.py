@@ -1,4 +1,4 @@
-"""The typed schema (lit_titan/schema.py), fuzzed key by key through ``validate``, the function the CLI calls.
+"""The typed schema (lit_titan/config/schema.py), fuzzed key by key through ``validate``, the function the CLI calls.
 
 Generated from the config tree itself: every option of every group is composed, and every leaf key
 it holds is given a value of the wrong type and (numeric keys) a negative one, and zero where the
@@ -19,8 +19,8 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.config import ConfigError, compose, conf_dir, validate
-from lit_titan.schema import TARGET_SCHEMAS, TrainSchema
-from lit_titan.schema_check import field_types, rule_problem
+from lit_titan.config.schema import TARGET_SCHEMAS, TrainSchema
+from lit_titan.config.schema_check import field_types, rule_problem
 
 GROUPS = ("model", "data", "optim", "cluster", "parallel", "callbacks", "logger", "profiler")
 LIST_GROUPS = ("callbacks", "logger")  # groups whose override is a list of options
@@ -126,10 +126,10 @@ def own_keys(option: str | None, leaves: dict[str, Any]) -> list[str]:
 
 @pytest.mark.parametrize("option", OPTIONS)
 def test_every_yaml_key_has_a_schema_line(option):
-    """A key added to a yaml file without its one line in lit_titan/schema.py fails here, by name."""
+    """A key added to a yaml file without its one line in lit_titan/config/schema.py fails here, by name."""
     cfg = composed(option)  # compose() itself refuses an unknown key: "<key>=<value>: not a config key"
     missing = [k for k, kind in schema_leaves(cfg).items() if kind is None]
-    assert not missing, f"{option}: keys without a line in lit_titan/schema.py: {missing}"
+    assert not missing, f"{option}: keys without a line in lit_titan/config/schema.py: {missing}"
 
 
 @pytest.mark.parametrize("option", [None, *[o for o in OPTIONS if not o.startswith("+recipe")]])
@@ -163,16 +163,16 @@ def test_every_leaf_key_refuses_a_bad_value_in_one_line(option):
 
 def test_an_unknown_key_is_refused_at_compose_time_naming_it():
     with pytest.raises(ConfigError, match=r"^model\.sliding_windw=4: not a config key; .*n_layers"):
-        compose(["+model.sliding_windw=4"])
+        compose(["+model.sliding_windw=4"], check=True)
     with pytest.raises(ConfigError, match=r"^callbacks\.float8\.recipee=rowwise: not a config key"):
-        compose(["callbacks=[float8]", "+callbacks.float8.recipee=rowwise"])
+        compose(["callbacks=[float8]", "+callbacks.float8.recipee=rowwise"], check=True)
 
 
 def test_a_bad_value_is_named_where_it_was_set_not_where_it_is_used():
     # optim.total_steps is ${trainer.max_steps}: the message names the key the user wrote
     with pytest.raises(ConfigError, match=r"^trainer\.max_steps=abc: wrong type; trainer\.max_steps takes an "
                                           r"integer$"):
-        compose(["trainer.max_steps=abc"])
+        compose(["trainer.max_steps=abc"], check=True)
 
 
 @pytest.mark.parametrize("override, line", [
@@ -183,7 +183,7 @@ def test_a_bad_value_is_named_where_it_was_set_not_where_it_is_used():
 ])
 def test_a_group_replaced_by_a_value_names_the_key_meant(override, line):
     with pytest.raises(ConfigError) as info:
-        compose([override])
+        compose([override], check=True)
     assert str(info.value).startswith(line) and "\n" not in str(info.value), str(info.value)
 
 
@@ -199,27 +199,27 @@ def test_a_config_group_given_a_number_lists_its_options(tmp_path):
 def test_a_users_own_target_is_checked_against_its_signature():
     with pytest.raises(ConfigError, match=r"^callbacks\.mine\.nope=1: lightning\.pytorch\.callbacks\.Timer takes "
                                           r"no argument 'nope'"):
-        compose(["+callbacks.mine._target_=lightning.pytorch.callbacks.Timer", "+callbacks.mine.nope=1"])
-    compose(["+callbacks.mine._target_=lightning.pytorch.callbacks.Timer", "+callbacks.mine.interval=step"])
+        compose(["+callbacks.mine._target_=lightning.pytorch.callbacks.Timer", "+callbacks.mine.nope=1"], check=True)
+    compose(["+callbacks.mine._target_=lightning.pytorch.callbacks.Timer", "+callbacks.mine.interval=step"],
+            check=True)
 
 
 def test_choices_match_the_code_that_uses_them():
-    from lit_titan import schema
+    # The owners of these lists import torch or Lightning, which the schema must not wait for; the
+    # parallel group's choices are the strategy's own (strategies/settings.py), so no copy to compare.
     from lit_titan.callbacks.activation_checkpointing import MODES
     from lit_titan.callbacks.float8 import RECIPES
+    from lit_titan.config import schema
     from lit_titan.optim import SCHEDULES
     from lit_titan.cli.launch import LAUNCHERS
-    from lit_titan.strategies.fsdp import GRAD_REDUCE_SCATTER
-    from lit_titan.strategies.pipeline import SCHEDULES as PP
 
     assert (schema.AC_MODES, schema.FLOAT8_RECIPES, schema.LR_SCHEDULES) == (MODES, RECIPES, SCHEDULES)
-    assert (schema.LAUNCHERS, schema.GRAD_REDUCE_SCATTER, set(schema.PP_SCHEDULES)) == (LAUNCHERS,
-                                                                                         GRAD_REDUCE_SCATTER, set(PP))
+    assert schema.LAUNCHERS == LAUNCHERS
 
 
 def test_every_option_of_every_group_is_covered():
     groups = {p.name for p in Path(conf_dir()).iterdir() if p.is_dir() and p.name not in ("hydra", "__pycache__")}
-    assert groups == {*GROUPS, "recipe"}, "a new config group needs its schema (lit_titan/schema.py) and GROUPS here"
+    assert groups == {*GROUPS, "recipe"}, "a new config group needs its schema (lit_titan/config/schema.py) and GROUPS here"
 
 
 @pytest.mark.parametrize("overrides, line", [

@@ -106,13 +106,14 @@ def resolve_model_args(ckpt: Path, flavor: str | None, overrides: list[str]) -> 
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from lit_titan.config import compose, model_args
+    from lit_titan.config import compose
+    from lit_titan.config.spec import model_args
 
     bad = [o for o in overrides if not re.fullmatch(r"model\.\w+=.*", o)]
     if bad:
         raise ExportError(f"unexpected argument(s) {bad}; only model.KEY=VALUE overrides may follow OUT_DIR")
     if flavor:
-        cfg = compose([f"model={flavor}", *overrides])
+        cfg = compose([f"model={flavor}", *overrides], check=True)
     else:
         config_yaml = ckpt.resolve().parent.parent / "config.yaml"
         if not config_yaml.is_file():

@@ -29,10 +29,12 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lit_titan.config import RUN_DIR_ENV, conf_dir, validate, validate_launcher, world_size
+from lit_titan.config import JobSpec, conf_dir, rules, validate
+from lit_titan.config.compose import RUN_DIR_ENV
+from lit_titan.config.inputs import check_inputs, check_run_dir
+from lit_titan.config.schema_check import compose_error_line
+from lit_titan.config.spec import world_size
 from lit_titan.errors import ConfigError
-from lit_titan.schema_check import compose_error_line
-from lit_titan.schema_inputs import check_inputs, check_run_dir
 
 CONFIG_NAME = "train"
 SUBMITIT_LAUNCHERS = ("submitit_local", "submitit_slurm")
@@ -72,7 +74,7 @@ def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> d
     # A submitit launcher runs through Hydra's multirun machinery, also for a single job.
     multirun = bool(args.multirun) or _launcher_choice(overrides) in SUBMITIT_LAUNCHERS
     mode = RunMode.MULTIRUN if multirun else RunMode.RUN
-    check(hydra, config_name, overrides, mode)
+    spec = check(hydra, config_name, overrides, mode)
     # Hydra would write its record (.hydra/) with the credentials in plain text: it writes none
     # (output_subdir=null) and task() writes it, redacted, where the user asked (record_subdir).
     record = _record_subdir(overrides)
@@ -84,7 +86,7 @@ def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> d
 
     record = record if is_launcher_rank_zero() else None  # rank 0 records
     _outcome.clear()
-    hydra.run(config_name=config_name, task_function=partial(task, train=train, record=record),
+    hydra.run(config_name=config_name, task_function=partial(task, train=train, record=record, spec=spec),
               overrides=[*overrides, "hydra.mode=RUN", _NO_HYDRA_RECORD])
     if "error" in _outcome:  # re-raised here, not by Hydra, which would print a second line first
         raise _outcome.pop("error")
@@ -135,10 +137,12 @@ def write_record(cfg: DictConfig, hc: Any, subdir: str) -> None:
         write_private(sweep_record, OmegaConf.to_yaml(redact(OmegaConf.load(sweep_record), secrets)))
 
 
-def task(cfg: DictConfig, train: Callable[[DictConfig], dict[str, Any]], record: str | None = None) -> dict[str, Any]:
+def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | None = None,
+         spec: JobSpec | None = None) -> dict[str, Any]:
     """Hydra's task function: one job (a run, a sweep point, or one rank of a submitit job).
 
     ``record``: the subdirectory for Hydra's record of this job (written here, redacted), or None.
+    ``spec``: a single run's config as ``check`` validated it, so ``train`` does not check it again.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -154,7 +158,7 @@ def task(cfg: DictConfig, train: Callable[[DictConfig], dict[str, Any]], record:
         cfg.run_dir = str(hc.runtime.output_dir)  # Hydra's run directory is the run's run_dir
     if hc.mode != RunMode.MULTIRUN:
         try:
-            _outcome["summary"] = train(cfg)
+            _outcome["summary"] = train(cfg, spec=spec) if spec is not None else train(cfg)
         except Exception as err:  # noqa: BLE001 - handed back to run_app, raised there
             _outcome["error"] = err
         return _outcome.get("summary", {})
@@ -179,21 +183,25 @@ def task(cfg: DictConfig, train: Callable[[DictConfig], dict[str, Any]], record:
             os.environ[RUN_DIR_ENV] = saved
 
 
-def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> None:
-    """Compose and validate every job of the command line (each sweep point) before any of them starts.
+def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> JobSpec | None:
+    """Compose and validate every job of the command line (each sweep point) before any of them starts;
+    the JobSpec of a single run (None for a sweep, whose points each check their own again).
 
-    Also what the jobs point at (data, tokenizer, run_dir, Float8 hardware: lit_titan/schema_inputs.py),
+    Also what the jobs point at (data, tokenizer, run_dir, Float8 hardware: lit_titan/config/inputs.py),
     so nothing, not even Hydra's run directory, is created for a job that cannot run. The answer is the
     same on every rank of a launched job, so only the first prints it (job.ranks.report_user_error).
     """
+    from hydra.types import RunMode
+
     try:
-        _check(hydra, config_name, overrides, mode)
+        specs = _check(hydra, config_name, overrides, mode)
     except ValueError as err:  # ConfigError, LayoutError
         err.raised_on_every_rank = True  # type: ignore[attr-defined]
         raise
+    return specs[0] if len(specs) == 1 and mode == RunMode.RUN else None
 
 
-def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> None:
+def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> list[JobSpec]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -219,6 +227,7 @@ def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> Non
         if sweeps:
             raise ConfigError(f"{sweeps[0]} lists several values: add -m (--multirun) to run one job per value")
         points = [[o.input_line for o in job]]
+    specs = []
     for point in points:
         with _one_line_errors(hydra, [*overrides, *own, *point]):  # the user's own spelling first
             full = hydra.compose_config(config_name=config_name, overrides=[*own, *point], run_mode=mode,
@@ -226,10 +235,12 @@ def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> Non
         launcher = OmegaConf.create(OmegaConf.to_container(full.hydra.launcher, resolve=True)) \
             if mode == RunMode.MULTIRUN else None
         job_cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
-        args, _ = validate(job_cfg)
-        validate_launcher(job_cfg, launcher)
+        spec = validate(job_cfg)
+        rules.launcher(job_cfg, launcher)
         check_run_dir(job_cfg.get("run_dir"))
-        check_inputs(job_cfg, args.vocab_size)
+        check_inputs(job_cfg, spec.model.vocab_size)
+        specs.append(spec)
+    return specs
 
 
 class SweepSummary(Callback):

@@ -61,8 +61,8 @@ def make_plan(overrides: list[str] | tuple[str, ...] = (), *, write: bool = True
     """
     keys, overrides = split_plan_keys(overrides)
     eff = _efficiencies(keys)
-    cfg = compose(list(overrides))
-    plan = make_plan_from_cfg(cfg, overrides=list(overrides), eff=eff)
+    cfg = compose(list(overrides), check=True)
+    plan = make_plan_from_cfg(cfg, overrides=list(overrides), eff=eff, schema_checked=True)
     if write:
         plan["plan_path"] = str(_write(cfg, "plan.json", plan))
     return plan
@@ -73,7 +73,7 @@ def search_layouts(overrides: list[str] | tuple[str, ...] = (), *, write: bool =
     from lit_titan.planner.search import search
 
     keys, overrides = split_plan_keys(overrides)
-    cfg = compose(list(overrides))
+    cfg = compose(list(overrides), check=True)
     result = search(cfg, list(overrides), eff=_efficiencies(keys), top=int(keys.get("plan.top", 10)),
                     confirm=int(keys.get("plan.confirm", 3)))
     if write:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(render("plan", intro=__doc__.strip(), examples=False))  # the examples are in the docstring
         return {}
     if argv[:1] == ["--launch"]:
-        print(launch_command(compose(argv[1:]), argv[1:]))
+        print(launch_command(compose(argv[1:], check=True), argv[1:]))
         return {}
     keys, _ = split_plan_keys(argv)
     if keys.get("calibrate"):

@@ -87,7 +87,7 @@ def prepare(argv: list[str], *, progress: bool = True) -> dict[str, Any]:
 
     start = time.perf_counter()
     args = parse_args(argv)
-    cfg = compose(list(args.overrides))
+    cfg = compose(list(args.overrides), check=True)
     if args.out.startswith("s3://"):
         return _prepare_to_s3(args, cfg, progress, start)
     out = check_out_dir(args.out).resolve()
@@ -121,8 +121,8 @@ def _prepare_local(args: PrepareArgs, cfg: Any, out: Path, progress: bool, start
     from lit_titan.data.prepare import current_manifest, prepare_shards
 
     data = cfg.data
-    if data.corpus == "text":  # one line naming data.path / data.tokenizer.path (lit_titan/schema_inputs.py)
-        from lit_titan.schema_inputs import check_documents, check_tokenizer_file
+    if data.corpus == "text":  # one line naming data.path / data.tokenizer.path (lit_titan/config/inputs.py)
+        from lit_titan.config.inputs import check_documents, check_tokenizer_file
 
         check_documents(cfg, one_batch=False)
         if data.tokenizer.get("kind") == "hf":

@@ -37,13 +37,3 @@ def check_settings(corpus_kind: str, path: str | None, seq_len: int, global_batc
         )
 
 
-def check_batch_sizes(global_batch_size: int, micro_batch_size: int | None, dp_size: int) -> int:
-    """The micro-batch size for ``dp_size`` data-parallel ranks, or one line if the global batch does not split."""
-    micro = micro_batch_size if micro_batch_size is not None else global_batch_size // dp_size
-    if micro < 1 or global_batch_size % (dp_size * micro) != 0:
-        raise ConfigError(
-            f"data.global_batch_size={global_batch_size} must be a multiple of dp_size ({dp_size}) x "
-            f"data.micro_batch_size ({micro_batch_size if micro_batch_size is not None else micro}); "
-            "adjust data.global_batch_size or data.micro_batch_size."
-        )
-    return micro

@@ -22,7 +22,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_titan.data.batches import FixedSampler, GlobalBatches, RankMicroBatches, StepSampler
-from lit_titan.data.checks import SHARD_KINDS, check_batch_sizes, check_settings
+from lit_titan.data.batch_layout import BatchLayout
+from lit_titan.data.checks import SHARD_KINDS, check_settings
 from lit_titan.data.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus, split_corpus
 from lit_titan.data.prepare import prepare_shards
 from lit_titan.data.shards import ShardSplit, is_remote
@@ -107,7 +108,7 @@ class PretrainDataModule(L.LightningDataModule):
         check_settings(self.corpus_kind, self.path, self.seq_len, self.global_batch_size, self._micro_batch_size,
                        self.val_fraction, self.shuffle_window)
         if self._dp_override[1] is not None:
-            self._check_batch_sizes(self._dp_override[1])
+            self.batch_layout(self._dp_override[1])
         if self.corpus_kind in SHARD_KINDS:
             self._open_shard_sources()
             return
@@ -153,8 +154,9 @@ class PretrainDataModule(L.LightningDataModule):
                 f"{vocab_size}) or a smaller data.tokenizer.vocab_size."
             )
 
-    def _check_batch_sizes(self, dp_size: int) -> int:
-        return check_batch_sizes(self.global_batch_size, self._micro_batch_size, dp_size)
+    def batch_layout(self, dp_size: int) -> BatchLayout:
+        """Micro-batch and accumulation for ``dp_size`` data-parallel ranks (one line if they do not split)."""
+        return BatchLayout.derive(self.global_batch_size, self._micro_batch_size, dp_size)
 
     # ---- data-parallel coordinates ---------------------------------------------------
     def data_parallel_coords(self) -> tuple[int, int]:
@@ -172,12 +174,12 @@ class PretrainDataModule(L.LightningDataModule):
 
     @property
     def micro_batch_size(self) -> int:
-        return self._check_batch_sizes(self.data_parallel_coords()[1])
+        return self.batch_layout(self.data_parallel_coords()[1]).micro
 
     @property
     def grad_accum_steps(self) -> int:
         """Micro-batches per optimizer step on each dp rank."""
-        return self.global_batch_size // (self.data_parallel_coords()[1] * self.micro_batch_size)
+        return self.batch_layout(self.data_parallel_coords()[1]).accumulation
 
     # ---- documents -> shards (stdlib / text) -------------------------------------------
     @property
@@ -235,7 +237,7 @@ class PretrainDataModule(L.LightningDataModule):
     # ---- Lightning hooks -------------------------------------------------------------
     def prepare_data(self) -> None:
         """Prepare the documents into shards once (local rank 0 under Lightning); a no-op when current."""
-        self._check_batch_sizes(self.data_parallel_coords()[1])
+        self.batch_layout(self.data_parallel_coords()[1])
         self.last_prepare_built = False
         if self.corpus_kind in SHARD_KINDS:
             return
@@ -265,7 +267,8 @@ class PretrainDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Open the shards (prepared by ``prepare_data``) and check they hold a global batch."""
         dp_rank, dp_size = self.data_parallel_coords()
-        micro = self._check_batch_sizes(dp_size)
+        layout = self.batch_layout(dp_size)
+        micro = layout.micro
         sources = self._resolved_sources()
         cache = self.data_dir / "chunks"
         self.train_splits = [s.split("train", cache) for s in sources]  # type: ignore[misc]
@@ -297,6 +300,7 @@ class PretrainDataModule(L.LightningDataModule):
                     f"(dp_size x micro_batch_size = {dp_size * micro}): no validation batches. Raise "
                     "data.val_fraction or add documents.")
         self._dp = (dp_rank, dp_size)
+        self._layout = layout
         self._micro = micro
 
     def _global_batches(self, step: int, consumed: list[int] | None) -> GlobalBatches:
@@ -329,7 +333,7 @@ class PretrainDataModule(L.LightningDataModule):
         return self.train_splits[0].eos_id if self.document_masking else None
 
     def _accumulation(self) -> int:
-        return self.global_batch_size // (self._dp[1] * self._micro)
+        return self._layout.accumulation
 
     def val_dataloader(self) -> DataLoader | list:
         """Held-out batches, unshuffled, each rank its rows of every ``dp_size * micro`` batch.

@@ -11,11 +11,14 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.redact import secrets_of
+
+if TYPE_CHECKING:
+    from lit_titan.config import JobSpec
 
 __all__ = ["build_callbacks", "build_datamodule", "build_loggers", "build_module", "build_strategy", "instantiate",
            "tensorboard_dir"]
@@ -64,17 +67,14 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
     return loggers
 
 
-def build_strategy(cfg: DictConfig):
-    from lit_titan.strategies import TitanStrategy
+def build_strategy(cfg: DictConfig, spec: JobSpec | None = None):
+    """The ``parallel`` group is ``TitanStrategy``'s own settings (``ParallelConfig``); ``spec``: the
+    checked job, whose resolved degrees the strategy takes as they are (None: it resolves them)."""
+    from lit_titan.strategies import ParallelConfig, TitanStrategy
 
-    p = cfg.parallel
-    return TitanStrategy(timeout=timedelta(seconds=int(cfg.cluster.get("timeout_s", 1800))),
-                         pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
-                         reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload,
-                         grad_reduce_scatter=p.get("grad_reduce_scatter", "every_microbatch"),
-                         loss_parallel=p.loss_parallel, pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
-                         pp_stages_per_rank=p.get("pp_stages_per_rank"), pp_stages=p.get("pp_stages"),
-                         tf32=bool(cfg.get("tf32", True)))
+    return TitanStrategy(ParallelConfig(**OmegaConf.to_container(cfg.parallel, resolve=True)),
+                         dims=spec.dims if spec is not None else None, tf32=bool(cfg.get("tf32", True)),
+                         timeout=timedelta(seconds=int(cfg.cluster.get("timeout_s", 1800))))
 
 
 def tensorboard_dir(cfg: DictConfig) -> str | None:
@@ -84,15 +84,16 @@ def tensorboard_dir(cfg: DictConfig) -> str | None:
     return None
 
 
-def build_datamodule(cfg: DictConfig, model_vocab_size: int) -> Any:
-    """The ``data`` node's data module (``_target_``), its data_dir with ``~`` expanded."""
+def build_datamodule(cfg: DictConfig, spec: JobSpec) -> Any:
+    """The ``data`` node's data module (``_target_``), its data_dir with ``~`` expanded; it checks the
+    global batch against its data-parallel size with the same ``BatchLayout`` the spec holds."""
     return instantiate(cfg.data, data_dir=os.path.expanduser(str(cfg.data.data_dir)),
-                       model_vocab_size=model_vocab_size, _convert_="all")
+                       model_vocab_size=spec.model.vocab_size, _convert_="all")
 
 
 def build_module(cfg: DictConfig) -> Any:
     """The PretrainModule of the ``model``, ``optim``, ``loss`` and ``seed`` keys."""
-    from lit_titan.config import model_overrides
+    from lit_titan.config.spec import model_overrides
     from lit_titan.module import PretrainModule
 
     return PretrainModule(model=cfg.model.name, model_overrides=model_overrides(cfg),

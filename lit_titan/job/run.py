@@ -12,7 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lit_titan.config import RUN_DIR_ENV, default_run_dir, validate
+from lit_titan.config import JobSpec, validate
+from lit_titan.config.compose import RUN_DIR_ENV, default_run_dir
 from lit_titan.job.build import build_callbacks, build_datamodule, build_loggers, build_module, build_strategy, \
     instantiate
 from lit_titan.job.ranks import is_launcher_rank_zero
@@ -39,7 +40,7 @@ def with_flavor(cfg: DictConfig, args: Any) -> DictConfig:
     What config.yaml records: the model's shape is read there, not looked up in the flavor table of
     the lit-titan version that ran. The same ModelArgs result from it (export, calibration, resume).
     """
-    from lit_titan.config import MODEL_ARG_KEYS
+    from lit_titan.config.spec import MODEL_ARG_KEYS
 
     out = cfg.copy()
     for key in MODEL_ARG_KEYS:
@@ -48,19 +49,25 @@ def with_flavor(cfg: DictConfig, args: Any) -> DictConfig:
     return out
 
 
-def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
-    """Run one training job from a composed config; returns the run summary."""
+def train(cfg: DictConfig, callbacks: list | None = None, spec: JobSpec | None = None) -> dict[str, Any]:
+    """Run one training job from a composed config; returns the run summary.
+
+    ``spec``: the config already checked, with its inputs (the train command's app checks every job
+    before Hydra starts it); None: checked here.
+    """
     import lightning as L
 
-    args, dims = validate(cfg)
-    from lit_titan.schema_inputs import check_inputs, check_run_dir
+    if spec is None:
+        from lit_titan.config.inputs import check_inputs, check_run_dir
 
-    check_run_dir(cfg.run_dir)
-    check_inputs(cfg, args.vocab_size)  # data, tokenizer, Float8 hardware: before any rank starts
+        spec = validate(cfg)
+        check_run_dir(cfg.run_dir)
+        check_inputs(cfg, spec.model.vocab_size)  # data, tokenizer, Float8 hardware: before any rank starts
+    args = spec.model
     run_dir = resolve_run_dir(cfg)
     from lit_titan.checkpoint.compat import fingerprint
 
-    run_keys = fingerprint(args, int(cfg.data.seq_len))
+    run_keys = fingerprint(args, spec.seq_len)
     resume = resolve_resume(cfg.resume, run_dir, run_keys)
     OmegaConf.update(cfg, "run_dir", str(run_dir))
     if is_launcher_rank_zero():
@@ -74,17 +81,14 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     flight_recorder.enable(int(cfg.cluster.get("flight_recorder_entries", 0) or 0), run_dir / "hang")
 
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    datamodule = build_datamodule(cfg, args.vocab_size)
+    datamodule = build_datamodule(cfg, spec)
     module = build_module(cfg)
-    global_batch = int(cfg.data.global_batch_size)
-    micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)
     summary, all_callbacks = build_callbacks(cfg, run_dir, run_keys, extra=callbacks or [])
     t = cfg.trainer
-    accumulation = global_batch // (dims.dp * micro)
     trainer = L.Trainer(
         accelerator=cfg.cluster.accelerator, devices=cfg.cluster.devices, num_nodes=cfg.cluster.num_nodes,
-        strategy=build_strategy(cfg), precision=cfg.precision, max_steps=int(t.max_steps),
-        accumulate_grad_batches=accumulation, gradient_clip_val=t.gradient_clip_val,
+        strategy=build_strategy(cfg, spec), precision=spec.precision, max_steps=int(t.max_steps),
+        accumulate_grad_batches=spec.batch.accumulation, gradient_clip_val=t.gradient_clip_val,
         log_every_n_steps=t.log_every_n_steps, limit_val_batches=t.limit_val_batches,
         val_check_interval=t.val_check_interval if t.limit_val_batches else None,
         enable_progress_bar=t.enable_progress_bar, deterministic=t.deterministic,

@@ -77,7 +77,7 @@ def measured(run_dir: str | Path) -> dict[str, Any]:
     if not tps:
         raise ConfigError(f"calibrate={run_dir}: metrics.csv has no perf/tokens_per_sec_per_device after step "
                           f"{SKIP_STEPS}; run more steps with the throughput callback")
-    from lit_titan.config import world_size
+    from lit_titan.config.spec import world_size
 
     tokens = int(cfg.data.global_batch_size) * int(cfg.data.seq_len)
     out.update(step_s=tokens / world_size(cfg) / statistics.median(tps), busy_s=None, overhead_s=0.0,
@@ -88,7 +88,7 @@ def measured(run_dir: str | Path) -> dict[str, Any]:
 def _setup(cfg) -> dict[str, Any]:
     """The layout a run's (or plan's) config describes, in closed form (no meta-model build)."""
     from lit_titan.callbacks.throughput import count_params, flops_per_token
-    from lit_titan.config import model_args, parallel_dims, pipeline_config
+    from lit_titan.config.spec import batch_layout, model_args, parallel_dims, pipeline_config
     from lit_titan.planner.analytic import analytic_layout
 
     args, dims = model_args(cfg), parallel_dims(cfg)
@@ -98,9 +98,11 @@ def _setup(cfg) -> dict[str, Any]:
         "ActivationCheckpointing")), "none")
     f8 = any(str(n.get("_target_", "")).endswith(".Float8") for n in cbs.values())
     pcfg = pipeline_config(cfg) if dims.pp > 1 else None
-    local = int(cfg.data.micro_batch_size or max(gb // dims.dp, 1))
+    batch = batch_layout(cfg, dims, check=False)
+    local = batch.micro
     m = pcfg.microbatches_for(dims.pp) if pcfg else 1
-    return dict(args=args, dims=dims, seq_len=seq_len, gb=gb, precision=precision, ac=ac, f8=f8, local=local,
+    return dict(args=args, dims=dims, seq_len=seq_len, gb=gb, accumulation=batch.accumulation, precision=precision,
+                ac=ac, f8=f8, local=local,
                 m=m, v=pcfg.per_rank if pcfg else 1, fpt=flops_per_token(args, seq_len, count_params(args)),
                 layout=analytic_layout(args, dims, pcfg, precision=precision, ac_mode=ac),
                 cluster=OmegaConf.to_container(cfg.cluster, resolve=True),
@@ -130,7 +132,7 @@ def predict_memory(cfg) -> int:
     micro = max(s["local"] // s["m"], 1) if dims.pp > 1 else s["local"]
     return estimate.rank_memory(
         s["args"], dims, s["layout"], precision=s["precision"], seq_len=s["seq_len"], micro_batch=micro,
-        pp_microbatches=s["m"], stages_per_rank=s["v"], accumulation=max(s["gb"] // (dims.dp * s["local"]), 1),
+        pp_microbatches=s["m"], stages_per_rank=s["v"], accumulation=s["accumulation"],
         reshard_after_forward=s["reshard"], grad_reduce_scatter=s["grs"],
         loss_chunk_tokens=_loss_chunk(cfg, s["args"]),
         document_masking=bool((cfg.get("data") or {}).get("document_masking", False)))["max_total_bytes"]

@@ -24,22 +24,23 @@ def _collect(reasons: list[str], fn, *a, **kw):
         return None
 
 
-def _checks(cfg: DictConfig, args, dims, reasons: list[str]) -> None:
+def _checks(cfg: DictConfig, args, dims, reasons: list[str], schema_checked: bool = False) -> None:
     """The checks of ``lit_titan.config.validate``, run one by one so that every failure is reported."""
-    from lit_titan.config import pipeline_config, validate
+    from lit_titan.config import validate
+    from lit_titan.config.spec import batch_layout, pipeline_config
 
     seq_len = int(cfg.data.seq_len)
     if dims is not None:
         _collect(reasons, dims.validate, n_heads=args.n_heads)
         _collect(reasons, dims.validate, n_kv_heads=args.kv_heads)
         _collect(reasons, dims.validate, seq_len=seq_len)
-        _collect(reasons, dims.validate, global_batch_size=int(cfg.data.global_batch_size),
-                 micro_batch_size=cfg.data.micro_batch_size)
+        _collect(reasons, batch_layout, cfg, dims)
         if dims.pp > 1:
-            micro = int(cfg.data.micro_batch_size or int(cfg.data.global_batch_size) // dims.dp)
+            micro = batch_layout(cfg, dims, check=False).micro
             _collect(reasons, lambda: pipeline_config(cfg).validate(pp=dims.pp, n_units=args.n_layers + 2,
                                                                     local_batch=micro))
-    _collect(reasons, validate, cfg)  # anything not covered above (precision, seq_len, max_steps, ...)
+    # anything not covered above (precision, seq_len, max_steps, ...)
+    _collect(reasons, lambda: validate(cfg, schema_checked=schema_checked))
 
 
 def _instantiate_callbacks(cfg: DictConfig, reasons: list[str]) -> list:
@@ -55,10 +56,11 @@ def _instantiate_callbacks(cfg: DictConfig, reasons: list[str]) -> list:
 
 
 def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
-                       eff: estimate.Efficiencies | None = None) -> dict[str, Any]:
-    """The one-layout plan of ``cfg``; ``eff``: the step-time model's efficiencies (a calibration)."""
+                       eff: estimate.Efficiencies | None = None, *, schema_checked: bool = False) -> dict[str, Any]:
+    """The one-layout plan of ``cfg``; ``eff``: the step-time model's efficiencies (a calibration);
+    ``schema_checked``: ``cfg`` came from ``compose(check=True)``."""
     from lit_titan.callbacks.throughput import flops_per_token
-    from lit_titan.config import model_args, parallel_dims, world_size
+    from lit_titan.config.spec import model_args, parallel_dims, world_size
     from lit_titan.planner.build import build_layout
 
     t0 = time.perf_counter()
@@ -77,7 +79,7 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     if args is None:
         return _finish(plan, t0)
     dims = _collect(reasons, parallel_dims, cfg)
-    _checks(cfg, args, dims, reasons)
+    _checks(cfg, args, dims, reasons, schema_checked)
     callbacks = _instantiate_callbacks(cfg, reasons)
     seq_len = int(cfg.data.seq_len)
     from lit_titan.callbacks.throughput import count_params
@@ -97,16 +99,17 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
 
     p = cfg.parallel
     precision = str(cfg.precision)
-    global_batch = int(cfg.data.global_batch_size)
-    local_batch = int(cfg.data.micro_batch_size or max(global_batch // dims.dp, 1))
-    from lit_titan.config import pipeline_config
+    from lit_titan.config.spec import batch_layout, pipeline_config
+
+    batch = batch_layout(cfg, dims, check=False)  # a bad split is one of the reasons above
+    global_batch, local_batch = batch.global_batch, batch.micro
 
     pcfg = pipeline_config(cfg)
     stages_per_rank = pcfg.per_rank if dims.pp > 1 else 1
     pp_micro = pcfg.microbatches_for(dims.pp) if dims.pp > 1 else 1
     micro = max(local_batch // pp_micro, 1) if dims.pp > 1 else local_batch
     reshard = bool(p.reshard_after_forward)
-    accumulation = max(global_batch // (dims.dp * local_batch), 1)  # Lightning micro-batches per step
+    accumulation = batch.accumulation  # Lightning micro-batches per step
     grad_reduce_scatter = str(p.get("grad_reduce_scatter", "every_microbatch"))
 
     # ---- memory (measured states + estimated activations and buffers), estimate.rank_memory ------

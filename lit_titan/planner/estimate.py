@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lit_titan.callbacks.throughput import peak_flops  # noqa: F401 - also this module's API
+from lit_titan.data.batch_layout import BatchLayout
 
 GIB = 1024**3
 
@@ -256,7 +257,7 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
     compute_s *= share
 
     dp_local = global_batch // dims.dp  # sequences per dp rank per step
-    accumulation = max(dp_local // micro_batch, 1)
+    accumulation = BatchLayout.derive(global_batch, micro_batch, dims.dp, check=False).accumulation
     # FSDP: the dp_shard_cp group is strided by tp (tp innermost), so it spans fsdp*tp consecutive ranks
     n = dims.fsdp_size
     reduce_scatters = 1 if grad_reduce_scatter == "last_microbatch" and dims.pp == 1 else accumulation

@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from lit_titan.data.batch_layout import BatchLayout
 from lit_titan.errors import ConfigError
 from lit_titan.planner import estimate
 from lit_titan.planner.analytic import analytic_layout
@@ -127,7 +128,7 @@ def _batch_options(dims: ParallelDims, local: int, n_units: int, fp8: bool) -> l
                     for f8 in f8s:
                         out.append(Candidate(dims, schedule, v, mb, local, 1, m, ac, f8, "every_microbatch"))
         else:
-            accum = local // mb
+            accum = BatchLayout.derive(local * dims.dp, mb, dims.dp).accumulation
             for grs in ("every_microbatch", "last_microbatch") if accum > 1 else ("every_microbatch",):
                 for ac in AC_MODES:
                     for f8 in f8s:
@@ -170,7 +171,7 @@ def search(cfg: DictConfig, overrides: list[str], *, eff: estimate.Efficiencies 
            confirm: int = 3) -> dict[str, Any]:
     """Rank every valid layout of ``cfg``'s model on its cluster; raise ConfigError when none fits."""
     from lit_titan.callbacks.throughput import count_params, flops_per_token
-    from lit_titan.config import model_args, world_size
+    from lit_titan.config.spec import model_args, world_size
     from lit_titan.planner.core import _optimizer_implementation
 
     t0 = time.perf_counter()

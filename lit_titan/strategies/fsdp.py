@@ -12,13 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# When FSDP reduce-scatters gradients under gradient accumulation (parallel.grad_reduce_scatter):
-#   every_microbatch: after every micro-batch's backward, so each rank keeps only its gradient shard
-#     (1/dp_shard of the model) between micro-batches; under HSDP the replicate all-reduce still
-#     waits for the last micro-batch. One reduce-scatter per micro-batch.
-#   last_microbatch: only after the last one: one reduce-scatter per optimizer step, but between
-#     micro-batches every rank holds the *unsharded* gradients (reduce dtype) of its whole model.
-GRAD_REDUCE_SCATTER = ("every_microbatch", "last_microbatch")
+from lit_titan.strategies.settings import GRAD_REDUCE_SCATTER  # noqa: F401 - also this module's API
+
 # torch's pipeline stage turns FSDP's gradient sync off for its own micro-batches and reduces at the
 # end of every schedule step (PipelineStage.perform_reduce_grad), overriding block_backward_sync.
 PP_LAST_MICROBATCH = ("parallel.grad_reduce_scatter=last_microbatch cannot apply under parallel.pp > 1: torch's "

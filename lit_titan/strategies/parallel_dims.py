@@ -84,8 +84,9 @@ class ParallelDims:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     # ---- validation against the model and data --------------------------------------------------
-    def validate(self, *, n_heads: int | None = None, n_kv_heads: int | None = None, seq_len: int | None = None,
-                 global_batch_size: int | None = None, micro_batch_size: int | None = None) -> None:
+    def validate(self, *, n_heads: int | None = None, n_kv_heads: int | None = None,
+                 seq_len: int | None = None) -> None:
+        """The degrees against the model's heads and the sequence length (the batch split: ``BatchLayout``)."""
         if n_heads is not None and n_heads % self.tp:
             raise LayoutError(f"parallel.tp={self.tp}: does not divide the model's n_heads={n_heads}; use "
                               f"parallel.tp in {_divisors(n_heads)}")
@@ -100,14 +101,6 @@ class ParallelDims:
                 raise LayoutError(f"data.seq_len={seq_len}: not divisible by "
                                   f"{'2*cp*tp' if self.cp > 1 else 'tp'}={unit}; use a multiple of {unit}, e.g. "
                                   f"data.seq_len={max(unit, seq_len // unit * unit)}")
-        if global_batch_size is not None:
-            micro = micro_batch_size or max(global_batch_size // self.dp, 1)
-            if global_batch_size % (self.dp * micro):
-                raise LayoutError(
-                    f"data.global_batch_size={global_batch_size}: not divisible by data-parallel size "
-                    f"{self.dp} x micro-batch {micro}; use a multiple of {self.dp * micro} or change "
-                    f"data.micro_batch_size"
-                )
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
         """The 5-D mesh and its flattened views {dp, dp_shard_cp, dp_cp}; needs the process group.

@@ -19,11 +19,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lit_titan.strategies.parallel_dims import LayoutError
+from lit_titan.strategies.settings import LOOPED, SINGLE_STAGE, V_SHAPED
+from lit_titan.strategies.settings import PP_SCHEDULES as SCHEDULES
 
-SINGLE_STAGE = ("GPipe", "1F1B")
-LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
 # Split backward into input- and weight-gradients; with FSDP they need reshard_after_forward=False
 # inside stages (shared/design.md, trap 1), which TitanStrategy therefore always uses under PP.
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,8 @@ from lit_titan.strategies.fsdp import (
     fsdp_modules,
     mixed_precision_for,
 )
-from lit_titan.strategies.parallel_dims import ParallelDims
+from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
+from lit_titan.strategies.settings import ParallelConfig
 from lit_titan.strategies.pipeline import (
     PipelineConfig,
     PipelineRunner,
@@ -68,45 +69,45 @@ class TitanStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        pp: int = 1,
-        dp_replicate: int = 1,
-        dp_shard: int = -1,
-        cp: int = 1,
-        tp: int = 1,
+        parallel: ParallelConfig | None = None,
         *,
-        reshard_after_forward: bool = True,
-        cpu_offload: bool = False,
-        grad_reduce_scatter: str = "every_microbatch",
-        loss_parallel: bool = True,
-        pp_schedule: str = "1F1B",
-        pp_microbatches: int | None = None,
-        pp_stages_per_rank: int | None = None,
-        pp_stages: list[list[str]] | None = None,
         plan: ParallelPlan | None = None,
+        dims: ParallelDims | None = None,
         tf32: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **settings: Any,
     ) -> None:
+        """``parallel``: the degrees and parallel settings (the config's ``parallel`` group); any of its
+        fields may also be given by name (``TitanStrategy(tp=2)``), overriding ``parallel``'s.
+        ``dims``: degrees already resolved and checked (a ``JobSpec``'s), used as they are."""
         super().__init__(data_parallel_size=1, tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self._degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
+        unknown = sorted(set(settings) - {f.name for f in fields(ParallelConfig)})
+        if unknown:
+            raise TypeError(f"TitanStrategy got unknown argument(s) {unknown}; the parallel settings are "
+                            f"{[f.name for f in fields(ParallelConfig)]}")
+        p = replace(parallel or ParallelConfig(), **settings)
+        self.parallel = p
+        self._degrees = p.degrees
+        self._resolved_dims = dims
         self._plan = plan
-        self.fsdp_config = FSDPConfig(reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
-        if grad_reduce_scatter not in GRAD_REDUCE_SCATTER:
-            raise ValueError(f"grad_reduce_scatter={grad_reduce_scatter!r}: choose one of {GRAD_REDUCE_SCATTER}")
-        if grad_reduce_scatter == "last_microbatch" and pp > 1:
+        self.fsdp_config = FSDPConfig(reshard_after_forward=p.reshard_after_forward, cpu_offload=p.cpu_offload)
+        if p.grad_reduce_scatter not in GRAD_REDUCE_SCATTER:
+            raise ValueError(f"grad_reduce_scatter={p.grad_reduce_scatter!r}: choose one of {GRAD_REDUCE_SCATTER}")
+        if p.grad_reduce_scatter == "last_microbatch" and p.pp > 1:
             raise ValueError(PP_LAST_MICROBATCH)
-        self.grad_reduce_scatter = grad_reduce_scatter
-        self.loss_parallel = loss_parallel
+        self.grad_reduce_scatter = p.grad_reduce_scatter
+        self.loss_parallel = p.loss_parallel
         self.tf32 = tf32
         self._saved_matmul_precision: str | None = None  # restored at teardown (in-process fits)
         self.pipeline_config = PipelineConfig(
-            schedule=pp_schedule, microbatches=pp_microbatches, stages_per_rank=pp_stages_per_rank,
-            stages=tuple(tuple(s) for s in pp_stages) if pp_stages else None,
+            schedule=p.pp_schedule, microbatches=p.pp_microbatches, stages_per_rank=p.pp_stages_per_rank,
+            stages=tuple(tuple(s) for s in p.pp_stages) if p.pp_stages else None,
         )
-        if pp > 1:
+        if p.pp > 1:
             self.pipeline_config.validate()
         self.pipeline: PipelineRunner | None = None
         self.context_parallel: ContextParallel | None = None
@@ -130,7 +131,14 @@ class TitanStrategy(ModelParallelStrategy):
         """Resolve and validate the degrees against world size, model and data (no process groups).
 
         The batch split is checked by the datamodule, which knows its data-parallel coordinates.
+        Degrees given resolved (``dims=``, a checked JobSpec's) are only held against the world size.
         """
+        if self._resolved_dims is not None:
+            if self._resolved_dims.world_size != self.world_size:
+                raise LayoutError(f"the resolved degrees {self._resolved_dims.as_dict()} are for "
+                                  f"{self._resolved_dims.world_size} processes, this job has {self.world_size}; "
+                                  f"check cluster.devices x cluster.num_nodes")
+            return self._resolved_dims
         dims = ParallelDims.resolve(self.world_size, **self._degrees)
         module = self.lightning_module
         args = getattr(module, "model_args", None)

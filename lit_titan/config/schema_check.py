@@ -1,4 +1,4 @@
-"""Check a composed job config against ``lit_titan.schema``: types, unknown keys, ranges and choices.
+"""Check a composed job config against ``lit_titan.config.schema``: types, unknown keys, ranges and choices.
 
 OmegaConf does the type and unknown-key checks (merging the resolved config into the structured
 ``TrainSchema``); this module adds what OmegaConf 2.3 lacks (ranges, choices, union-like keys such as
@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
 from lit_titan.errors import ConfigError
-from lit_titan.schema import TARGET_SCHEMAS, TrainSchema
+from lit_titan.config.schema import TARGET_SCHEMAS, TrainSchema
 
 TARGET_GROUPS = ("logger", "callbacks")
 
@@ -174,7 +174,7 @@ def compose_error_line(text: str, overrides: list[str], options: Callable[[str],
         key = missing.group(1)
         given = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), key)
         return (f"{given}: {key} is not a config key; check its spelling (python -m lit_titan.train --cfg job lists "
-                f"every key); a new key needs a yaml line and one line in lit_titan/schema.py (docs/configuration.md)")
+                f"every key); a new key needs a yaml line and one line in lit_titan/config/schema.py (docs/configuration.md)")
     group = re.search(r"Could not (?:find|load) '([^']+)'", text)
     if group:
         name = group.group(1)
@@ -209,7 +209,7 @@ def _merge(schema: type, data: dict[str, Any], prefix: str) -> None:
         valid = ", ".join(f.name for f in dataclasses.fields(node)) if node else ""
         raise ConfigError(f"{full}={_show(_lookup(data, str(err.full_key)))}: not a config key; check its spelling"
                           + (f" (keys here: {valid})" if valid else "") +
-                          "; a new key needs one line in lit_titan/schema.py (docs/configuration.md)") from None
+                          "; a new key needs one line in lit_titan/config/schema.py (docs/configuration.md)") from None
     except (ValidationError, OmegaConfBaseException) as err:
         key = str(getattr(err, "full_key", "") or "")
         full = prefix + key

@@ -1,7 +1,7 @@
 """The typed schema of the whole config tree: one dataclass field per config key, with its range.
 
 Why a schema module: OmegaConf refuses a wrong type or an unknown key only when it has a structured
-config (a dataclass) to merge into; ``lit_titan.schema_check`` merges the composed job config into
+config (a dataclass) to merge into; ``lit_titan.config.schema_check`` merges the composed job config into
 ``TrainSchema`` (OmegaConf does the type checks) and then checks each field's ``key(...)`` rule
 (ranges, choices). So **adding a config key is one line here**, in the dataclass of its group::
 
@@ -24,11 +24,11 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from lit_titan.settings import setting
+from lit_titan.strategies.settings import ParallelConfig
+
 # Choices the code accepts (kept in step with the modules that use them: tests/test_schema.py compares).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-                "DualPipeV")
-GRAD_REDUCE_SCATTER = ("every_microbatch", "last_microbatch")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 CORPORA = ("stdlib", "text", "tokens", "mixture")
 TOKENIZER_KINDS = ("bpe", "hf", "shards")
@@ -47,9 +47,7 @@ def key(*, ge: float | None = None, gt: float | None = None, le: float | None = 
     """A config key's rule: bounds (``ge``/``gt``/``le``/``lt``), ``choices``, or ``check(value)`` returning
     what is wrong (None: fine). ``allow``: extra values accepted outside the bounds (``dp_shard=-1``).
     None passes every rule (the field's ``Optional[...]`` type decides whether null is allowed)."""
-    rule = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=tuple(choices) if choices else None,
-                                  check=check, allow=tuple(allow)).items() if v not in (None, ())}
-    return field(default=MISSING, metadata={"rule": rule})
+    return setting(MISSING, ge=ge, gt=gt, le=le, lt=lt, choices=choices, check=check, allow=allow)
 
 
 def _chunk_tokens(value: Any) -> str | None:
@@ -198,23 +196,6 @@ class ClusterSchema:  # conf/cluster/*.yaml
 
 
 @dataclass
-class ParallelSchema:  # conf/parallel/*.yaml
-    pp: int = key(ge=1)
-    dp_replicate: int = key(ge=1)
-    dp_shard: int = key(ge=1, allow=(-1,))
-    cp: int = key(ge=1)
-    tp: int = key(ge=1)
-    pp_schedule: str = key(choices=PP_SCHEDULES)
-    pp_microbatches: Optional[int] = key(ge=1)
-    reshard_after_forward: bool = key()
-    cpu_offload: bool = key()
-    grad_reduce_scatter: str = key(choices=GRAD_REDUCE_SCATTER)
-    loss_parallel: bool = key()
-    pp_stages_per_rank: Optional[int] = key(ge=1)
-    pp_stages: Optional[List[List[str]]] = key()
-
-
-@dataclass
 class LossSchema:
     chunk_tokens: Any = key(check=_chunk_tokens)
 
@@ -277,14 +258,14 @@ class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydr
     data: DataSchema = field(default_factory=DataSchema)
     optim: OptimSchema = field(default_factory=OptimSchema)
     cluster: ClusterSchema = field(default_factory=ClusterSchema)
-    parallel: ParallelSchema = field(default_factory=ParallelSchema)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TitanStrategy's own argument
     loss: LossSchema = field(default_factory=LossSchema)
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
     checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
     nonfinite: NonFiniteSchema = field(default_factory=NonFiniteSchema)
     fault: FaultSchema = field(default_factory=FaultSchema)
     preflight: PreflightSchema = field(default_factory=PreflightSchema)
-    # _target_ nodes: each checked against TARGET_SCHEMAS[its _target_] (lit_titan.schema_check)
+    # _target_ nodes: each checked against TARGET_SCHEMAS[its _target_] (lit_titan.config.schema_check)
     logger: Optional[Dict[str, Any]] = key()
     callbacks: Optional[Dict[str, Any]] = key()
     profiler: Optional[Dict[str, Any]] = key()

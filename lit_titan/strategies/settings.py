@@ -1,0 +1,48 @@
+"""``ParallelConfig``: the degrees and parallel settings, ``TitanStrategy``'s argument and the schema's
+``parallel`` group (``conf/parallel/default.yaml``) in one declaration; the choice lists they accept.
+
+Free of torch on purpose: the config schema imports it before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from lit_titan.settings import setting
+
+SINGLE_STAGE = ("GPipe", "1F1B")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+PP_SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+# When FSDP reduce-scatters gradients under gradient accumulation (parallel.grad_reduce_scatter):
+#   every_microbatch: after every micro-batch's backward, so each rank keeps only its gradient shard
+#     (1/dp_shard of the model) between micro-batches; under HSDP the replicate all-reduce still
+#     waits for the last micro-batch. One reduce-scatter per micro-batch.
+#   last_microbatch: only after the last one: one reduce-scatter per optimizer step, but between
+#     micro-batches every rank holds the *unsharded* gradients (reduce dtype) of its whole model.
+GRAD_REDUCE_SCATTER = ("every_microbatch", "last_microbatch")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees (``dp_shard=-1``: the ranks left over) and how each parallelism is applied."""
+
+    pp: int = setting(1, ge=1)
+    dp_replicate: int = setting(1, ge=1)
+    dp_shard: int = setting(-1, ge=1, allow=(-1,))
+    cp: int = setting(1, ge=1)
+    tp: int = setting(1, ge=1)
+    pp_schedule: str = setting("1F1B", choices=PP_SCHEDULES)
+    pp_microbatches: Optional[int] = setting(None, ge=1)
+    reshard_after_forward: bool = setting(True)
+    cpu_offload: bool = setting(False)
+    grad_reduce_scatter: str = setting("every_microbatch", choices=GRAD_REDUCE_SCATTER)
+    loss_parallel: bool = setting(True)
+    pp_stages_per_rank: Optional[int] = setting(None, ge=1)
+    pp_stages: Optional[List[List[str]]] = setting(None)
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                "tp": self.tp}
