@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_titan.log_cadence import forget_logged, is_logging_step
-from lit_titan.loss import at_least_fp32, resolve_chunk_tokens
+from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.optim import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.observe.phases import PhaseClock, phase

@@ -137,7 +137,7 @@ def predict_memory(cfg) -> int:
 
 
 def _loss_chunk(cfg, args) -> int:
-    from lit_titan.loss import resolve_chunk_tokens
+    from lit_titan.models.loss import resolve_chunk_tokens
 
     return resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
 

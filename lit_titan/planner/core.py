@@ -110,7 +110,7 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     grad_reduce_scatter = str(p.get("grad_reduce_scatter", "every_microbatch"))
 
     # ---- memory (measured states + estimated activations and buffers), estimate.rank_memory ------
-    from lit_titan.loss import resolve_chunk_tokens
+    from lit_titan.models.loss import resolve_chunk_tokens
 
     loss_chunk = resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
     mem = estimate.rank_memory(args, dims, layout, precision=precision, seq_len=seq_len, micro_batch=micro,

@@ -154,7 +154,7 @@ def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, e
     recompute_peak = width * per_block_activation_bytes(args, s, b, t, cp, "none") if mode != "none" else 0.0
     recompute_peak += width * backward_temp_bytes(args, s, b, t, cp)  # a block's backward, recomputed or not
     embedding = act_elem * s * b * args.dim / (t * cp)
-    # The loss's tokens per rank: all of them, or one chunk at a time (loss.chunk_tokens, lit_titan/loss.py).
+    # The loss's tokens per rank: all of them, or one chunk at a time (loss.chunk_tokens, lit_titan/models/loss.py).
     loss_tokens = s * b / cp if not loss_chunk_tokens else min(loss_chunk_tokens, s * b / cp)
     loss = 12 * loss_tokens * args.vocab_size / t if has_output else 0.0
     # The loss's buffers are freed before the first block's backward recomputes it: two peaks, not one.

@@ -188,7 +188,7 @@ def search(cfg: DictConfig, overrides: list[str], *, eff: estimate.Efficiencies 
     cands = enumerate_layouts(args, world=world, seq_len=seq_len, global_batch=global_batch,
                               gpus_per_node=int(cluster.get("gpus_per_node") or cluster.get("devices") or 1),
                               fp8=bool(cluster.get("fp8")))
-    from lit_titan.loss import resolve_chunk_tokens
+    from lit_titan.models.loss import resolve_chunk_tokens
 
     loss_chunk = resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
     evaluate(cands, args, cluster, precision=precision, seq_len=seq_len, global_batch=global_batch,
