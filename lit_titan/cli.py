@@ -140,7 +140,7 @@ def report_rank_failure(err: BaseException) -> Path:
         log_dir.mkdir(parents=True, exist_ok=True)
         path = log_dir / f"rank-{rank}-error.txt"
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        from lit_titan.redact import write_private
+        from lit_titan.observe.redact import write_private
 
         write_private(path, scrub(text))  # a traceback may quote the config: the user's only, no credentials
         where = f"full traceback in {path}"
@@ -155,13 +155,13 @@ def report_rank_failure(err: BaseException) -> Path:
 
 
 def report_peer_failure() -> None:
-    """One line when this rank failed only because a peer's process ended (``lit_titan.peer_exit``).
+    """One line when this rank failed only because a peer's process ended (``lit_titan.observe.peer_exit``).
 
     Printed by rank 0 (or, in a two-rank job, by the survivor of rank 0): under Lightning's launcher
     rank 0 holds the other ranks' processes and names the rank and the signal. Quiet when the peer
     ended on an error of its own, which it reported in its own line.
     """
-    from lit_titan import peer_exit
+    from lit_titan.observe import peer_exit
 
     rank = peer_exit.this_rank()
     run_dir = os.environ.get("LIT_TITAN_RUN_DIR")
@@ -207,11 +207,11 @@ def report_user_error(err: BaseException) -> None:
 
 
 def scrub(text: str) -> str:
-    """``text`` with the credentials of this command line (``sys.argv``) as ``***`` (lit_titan/redact.py).
+    """``text`` with the credentials of this command line (``sys.argv``) as ``***`` (lit_titan/observe/redact.py).
 
     Error lines quote the override at fault, and they end up in job logs.
     """
-    from lit_titan.redact import redact, secrets_of
+    from lit_titan.observe.redact import redact, secrets_of
 
     try:
         return redact(text, secrets_of(sys.argv[1:]))

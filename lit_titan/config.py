@@ -140,9 +140,9 @@ def keyed_line(message: str) -> str:
 
 
 def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
-    from lit_titan.callbacks.preflight import check_config as check_preflight
     from lit_titan.models.loss import resolve_chunk_tokens
-    from lit_titan.optim import check_optim
+    from lit_titan.observe.diagnostics import check_config as check_preflight
+    from lit_titan.optim.build import check_optim
     from lit_titan.strategies.parallel_dims import LayoutError
     from lit_titan.strategies.pipeline import V_SHAPED
 

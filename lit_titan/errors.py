@@ -51,7 +51,7 @@ class Preempted(Exception):
 
 # What a collective raises on the ranks left when a peer dies (gloo; NCCL reports its peer's abort).
 # Here, at the bottom, because the checkpoint writer (which must not blame the disk for it) and the
-# command line (which prints the one line, lit_titan/peer_exit.py) both ask.
+# command line (which prints the one line, lit_titan/observe/peer_exit.py) both ask.
 PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
              "NCCL communicator was aborted")
 

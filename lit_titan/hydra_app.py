@@ -108,11 +108,11 @@ def write_record(cfg: DictConfig, hc: Any, subdir: str) -> None:
     """Hydra's record of a job (``<output_dir>/<subdir>/{config,hydra,overrides}.yaml``), credentials redacted.
 
     The files Hydra's ``run_job`` would write, from the same objects, with the credentials as ``***``
-    (lit_titan/redact.py) and readable by the user only (they name data paths and endpoints).
+    (lit_titan/observe/redact.py) and readable by the user only (they name data paths and endpoints).
     """
     from hydra.types import RunMode
 
-    from lit_titan.redact import private_dir, redact, secrets_of, write_private
+    from lit_titan.observe.redact import private_dir, redact, secrets_of, write_private
 
     task_overrides = list(hc.overrides.task)
     secrets = secrets_of(cfg, task_overrides)
@@ -158,7 +158,7 @@ def task(cfg: DictConfig, train: Callable[[DictConfig], dict[str, Any]], record:
         except Exception as err:  # noqa: BLE001 - handed back to run_app, raised there
             _outcome["error"] = err
         return _outcome.get("summary", {})
-    from lit_titan.redact import redact, secrets_of
+    from lit_titan.observe.redact import redact, secrets_of
 
     shown = redact(list(hc.overrides.task), secrets_of(cfg))
     print(f"lit-titan: sweep job {hc.job.num}: {' '.join(shown)} -> {cfg.run_dir}", flush=True)

@@ -259,7 +259,7 @@ class FaultSchema:
 
 
 @dataclass
-class PreflightSchema:  # issue 27: pre-flight diagnostics (lit_titan/callbacks/preflight.py)
+class PreflightSchema:  # pre-flight diagnostics (lit_titan/observe/diagnostics.py)
     enabled: bool = key()
     action: str = key(choices=("warn", "stop"))
     threshold: float = key(gt=0, le=1)
@@ -405,7 +405,7 @@ TARGET_SCHEMAS: dict[str, type] = {
     "lit_titan.callbacks.Timeline": TimelineSchema,
     "lit_titan.callbacks.Watchdog": WatchdogSchema,
     "lightning.pytorch.loggers.CSVLogger": CSVLoggerSchema,
-    "lit_titan.csv_logger.RunDirCSVLogger": CSVLoggerSchema,  # issue 26 (firsthour branch): conf/logger/csv.yaml
+    "lit_titan.observe.csv_logger.RunDirCSVLogger": CSVLoggerSchema,  # issue 26 (firsthour branch): conf/logger/csv.yaml
     "lightning.pytorch.loggers.TensorBoardLogger": TensorBoardLoggerSchema,
     "lightning.pytorch.loggers.WandbLogger": WandbLoggerSchema,
     "lightning.pytorch.profilers.SimpleProfiler": LightningProfilerSchema,

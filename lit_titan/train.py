@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.cli import is_launcher_rank_zero
 from lit_titan.config import RUN_DIR_ENV, ConfigError, default_run_dir, model_overrides, validate
-from lit_titan.redact import redact, secrets_of, write_private
+from lit_titan.observe.redact import redact, secrets_of, write_private
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -23,7 +23,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     A function, not a constant: their modules import torch and Lightning, which ``--help`` must not wait for.
     """
-    from lit_titan.callbacks.preflight import PreflightError
+    from lit_titan.observe.diagnostics import PreflightError
     from lit_titan.checkpoint import CheckpointError
     from lit_titan.strategies.parallel_dims import LayoutError
 
@@ -70,7 +70,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
     """
     from lightning.pytorch.loggers import CSVLogger
 
-    from lit_titan.csv_logger import RunDirCSVLogger
+    from lit_titan.observe.csv_logger import RunDirCSVLogger
 
     loggers: list = []
     credentials_in_argv = bool(secrets_of(sys.argv[1:]))
@@ -271,8 +271,8 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     configured = [_instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     all_callbacks = [summary, DataProgress(), *configured, *(callbacks or [])]
     if (cfg.get("preflight") or {}).get("enabled"):  # first: it may end the job before the others act
-        from lit_titan.callbacks.throughput import peak_flops
         from lit_titan.callbacks.preflight import Preflight
+        from lit_titan.observe.throughput import peak_flops
 
         peak = peak_flops(OmegaConf.to_container(cfg.cluster, resolve=True), str(cfg.precision)) / 1e12
         all_callbacks.insert(0, Preflight(str(run_dir), action=str(cfg.preflight.action),

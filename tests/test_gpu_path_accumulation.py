@@ -5,7 +5,7 @@
   is about 1/4 of the model by default, and the whole model under the explicit
   ``parallel.grad_reduce_scatter=last_microbatch``; losses equal one process under both.
 - HSDP with accumulation reduce-scatters every micro-batch and all-reduces once per step.
-- The AdamW implementation decision (``lit_titan.optim.adamw_implementation``).
+- The AdamW implementation decision (``lit_titan.optim.build.adamw_implementation``).
 - The planner's gradient term and step time follow the option; without HBM facts it says "fit unknown".
 """
 
@@ -121,7 +121,7 @@ class _FakeDTensor:
 
 
 def test_adamw_is_fused_when_every_parameter_is_on_cuda():
-    from lit_titan.optim import adamw_implementation
+    from lit_titan.optim.build import adamw_implementation
 
     cuda = [_fake("cuda:0"), _fake("cuda:0", torch.bfloat16)]
     assert adamw_implementation(cuda) == "fused"
@@ -140,7 +140,7 @@ def test_adamw_is_fused_when_every_parameter_is_on_cuda():
 
 
 def test_build_optimizer_passes_the_decision_to_adamw():
-    from lit_titan.optim import OptimConfig, build_optimizer
+    from lit_titan.optim.build import OptimConfig, build_optimizer
 
     model = torch.nn.Linear(4, 4)
     opt = build_optimizer(model, OptimConfig())  # CPU parameters: as before, neither fused nor foreach
@@ -210,7 +210,7 @@ def test_plan_without_hbm_facts_says_fit_unknown(tmp_path):
 
 def test_a_checkpoint_does_not_carry_its_adamw_kernel_over():
     """Loading an optimizer state saved with another kernel keeps this process's choice (resume on other hardware)."""
-    from lit_titan.optim import OptimConfig, build_optimizer, keep_kernel_choice
+    from lit_titan.optim.build import OptimConfig, build_optimizer, keep_kernel_choice
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)

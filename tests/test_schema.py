@@ -207,7 +207,7 @@ def test_choices_match_the_code_that_uses_them():
     from lit_titan import schema
     from lit_titan.callbacks.activation_checkpointing import MODES
     from lit_titan.callbacks.float8 import RECIPES
-    from lit_titan.optim import SCHEDULES
+    from lit_titan.optim.build import SCHEDULES
     from lit_titan.planner.launch import LAUNCHERS
     from lit_titan.strategies.fsdp import GRAD_REDUCE_SCATTER
     from lit_titan.strategies.pipeline import SCHEDULES as PP

@@ -451,7 +451,7 @@ def load_sharded(model: nn.Module, optimizers: list[torch.optim.Optimizer], ckpt
         set_optimizer_state_dict,
     )
 
-    from lit_titan.optim import keep_kernel_choice
+    from lit_titan.optim.build import keep_kernel_choice
 
     validate(ckpt)  # cheap checks; the checksums were verified once, before the processes started
     model_state = {"state_dict": get_model_state_dict(model)}

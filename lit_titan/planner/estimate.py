@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from lit_titan.callbacks.throughput import peak_flops  # noqa: F401 - also this module's API
+from lit_titan.observe.throughput import peak_flops
 
 GIB = 1024**3
 

@@ -29,7 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from lit_titan.checkpoint import CheckpointWriter, load_sharded
-from lit_titan.log_cadence import amortise_sigterm_check, is_logging_step
+from lit_titan.observe.log_cadence import amortise_sigterm_check, is_logging_step
 from lit_titan.observe.phases import phase
 from lit_titan.strategies.context_parallel import ContextParallel
 from lit_titan.strategies.elastic import init_process_group as init_elastic_process_group
@@ -199,7 +199,7 @@ class TitanStrategy(ModelParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
         self._owns_process_group = not torch.distributed.is_initialized()
         self._setup_distributed()
-        from lit_titan import peer_exit
+        from lit_titan.observe import peer_exit
 
         peer_exit.remember(self.global_rank, self.world_size, self._launcher)  # for the line if a peer dies
         self.init_layout(self.parallel_dims, self.root_device.type)

@@ -16,7 +16,7 @@ OPTIMIZERS = ("adamw", "lamb")
 
 @dataclass(frozen=True)
 class OptimConfig:
-    # adamw (torch.optim.AdamW) | lamb (lit_titan.lamb.Lamb: trust ratio from whole-parameter norms)
+    # adamw (torch.optim.AdamW) | lamb (lit_titan.optim.lamb.Lamb: trust ratio from whole-parameter norms)
     name: str = "adamw"
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
@@ -106,7 +106,7 @@ def adamw_implementation(params: Iterable[Any], *, fused: bool | None = None, fo
 
 def check_optim(name: str, betas: Iterable[float]) -> None:
     """ValueError naming the setting when ``optim.name`` or ``optim.betas`` cannot run."""
-    from lit_titan.lamb import check_betas
+    from lit_titan.optim.lamb import check_betas
 
     if name not in OPTIMIZERS:
         raise ValueError(f"optim.name={name!r} is not an optimizer here; use optim=adamw or optim=lamb")
@@ -117,7 +117,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     check_optim(cfg.name, cfg.betas)
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "lamb":
-        from lit_titan.lamb import Lamb
+        from lit_titan.optim.lamb import Lamb
 
         return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     impl = adamw_implementation((p for g in groups for p in g["params"]), fused=cfg.fused, foreach=cfg.foreach)
