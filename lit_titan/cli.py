@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lit_titan.errors import Preempted, is_peer_failure
+from lit_titan.errors import Preempted, error_line, is_peer_failure, one_line
 
 COMMANDS = {"train": "lit_titan.train", "prepare": "lit_titan.prepare", "plan": "lit_titan.plan",
             "launch": "lit_titan.launch", "export": "lit_titan.export", "report": "lit_titan.report",
@@ -203,7 +203,7 @@ def report_user_error(err: BaseException) -> None:
         # The error came before any expensive work, so the wait costs nothing else.
         time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return
-    print(f"lit-titan: error: {one_line(scrub(str(err)))}", file=sys.stderr, flush=True)
+    print(error_line(scrub(str(err))), file=sys.stderr, flush=True)
 
 
 def scrub(text: str) -> str:
@@ -217,11 +217,6 @@ def scrub(text: str) -> str:
         return redact(text, secrets_of(sys.argv[1:]))
     except Exception:  # noqa: BLE001 - a line that cannot be scrubbed is still printed: the error matters more
         return text
-
-
-def one_line(err: BaseException | str) -> str:
-    """A message as one line: its lines joined with '; ' (a terminal or a log grep sees one line per error)."""
-    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
 
 def is_launcher_rank_zero() -> bool:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import importlib.resources
 import os
-import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lit_titan.errors import ConfigError
+from lit_titan.errors import ConfigError, keyed_line
 from lit_titan.schema_check import check_schema, compose_error_line
 
 # The model, strategy and optimizer modules import torch and Lightning (seconds): they are imported
@@ -126,17 +125,6 @@ def validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         err.args = (keyed_line(str(err)),)
         err.raised_on_every_rank = True  # type: ignore[attr-defined]
         raise
-
-
-_KEYED = re.compile(r"^(?P<kv>[A-Za-z_][\w.\[\]]*=(?:\[[^\]]*\]|\{[^}]*\}|'[^']*'|\S+?))(?P<colon>:?) "
-                    r"(?P<rest>.*)$", re.S)
-
-
-def keyed_line(message: str) -> str:
-    """``key=value: what is wrong; what to do``: messages raised deeper down (ParallelDims, the model's
-    arguments, the profiler's windows) that start ``key=value must ...`` get the colon of that form."""
-    m = _KEYED.match(message)
-    return f"{m['kv']}: {m['rest']}" if m and not m["colon"] else message
 
 
 def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:

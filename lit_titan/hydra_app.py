@@ -30,7 +30,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lit_titan.config import RUN_DIR_ENV, conf_dir, validate, validate_launcher, world_size
-from lit_titan.errors import ConfigError
+from lit_titan.errors import ConfigError, one_line
 from lit_titan.schema_check import compose_error_line
 from lit_titan.schema_inputs import check_inputs, check_run_dir
 
@@ -362,7 +362,8 @@ class _one_line_errors:
 
 
 def _flat(err: BaseException) -> str:
-    return " ".join(f"{err} {err.__cause__ or ''}".split())
+    """Hydra's error and its cause (where Hydra puts the override it could not parse) on one line."""
+    return one_line(f"{err} {err.__cause__ or ''}")
 
 
 def _override_of(overrides: list[str], key: str) -> str:

@@ -96,3 +96,19 @@ def test_dp_rank_mapping_without_process_groups():
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert dims.coords(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
     assert json.dumps(dims.as_dict())
+
+
+def test_one_error_line_formatter():
+    """lit_titan.errors holds the one formatter every layer's message goes through, and the kinds of bad input."""
+    from lit_titan.checkpoint.layout import CheckpointError
+    from lit_titan.errors import UserError, error_line, keyed_line, one_line
+    from lit_titan.export import ExportError
+
+    assert one_line("first\n  second   part\n\nthird.") == "first; second part; third."
+    assert one_line("Could not override 'x'.\nTo append use +x=1") == "Could not override 'x'. To append use +x=1"
+    assert one_line(OSError("disk\nfull"), with_type=True) == "OSError: disk; full"
+    assert one_line(RuntimeError(), with_type=True) == "RuntimeError"
+    assert keyed_line("parallel.tp=3 must divide n_heads") == "parallel.tp=3: must divide n_heads"
+    assert keyed_line("data.path=x: no such file") == "data.path=x: no such file"
+    assert error_line("parallel.tp=3 must divide\nn_heads=4") == "lit-titan: error: parallel.tp=3: must divide; n_heads=4"
+    assert all(issubclass(k, UserError) for k in (ConfigError, LayoutError, CheckpointError, ExportError))
