@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 26): a quiet default run, a bar in optimizer steps, end lines that say what next.
+"""A new user's first hour: a quiet default run, a bar in optimizer steps, end lines that say what next.
 
 Through the real command line (a subprocess, stdout a pipe: the progress bar's plain-line mode, as in
 CI logs and Slurm output files).

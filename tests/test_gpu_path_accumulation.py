@@ -1,4 +1,4 @@
-"""Gradient accumulation keeps gradients sharded; fused AdamW on CUDA; the planner counts both (issues 17, 23).
+"""Gradient accumulation keeps gradients sharded; fused AdamW on CUDA; the planner counts both.
 
 - Every rank's gradient storage at every micro-batch boundary (dp_shard=4, accumulation 4),
   measured where FSDP2 really keeps it (``lit_titan.strategies.fsdp.gradient_storage_bytes``),
@@ -104,7 +104,7 @@ def test_bad_grad_reduce_scatter_is_one_config_error(overrides, needle):
     assert needle in str(err.value)
 
 
-# ---- fused AdamW by default on CUDA (issue 23.1) -------------------------------------------------------------
+# ---- fused AdamW by default on CUDA --------------------------------------------------------------------------
 def _fake(device: str, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
     return SimpleNamespace(device=torch.device(device), dtype=dtype)
 
@@ -156,7 +156,7 @@ PLAN_8B = ["+recipe=llama3_8b_h100_8"]  # FSDP 8, micro-batch 1 x accumulation 2
 def test_planner_gradient_term_follows_the_option(tmp_path):
     from lit_titan.plan import make_plan
 
-    # the unchunked loss of issue 17's figures: with the chunked loss (issue 20, default at 128K vocab)
+    # the unchunked loss of the GPU figures: with the chunked loss (the default at 128K vocab)
     # the unsharded variant's 72.4 GiB fits, so the OOM below would not show
     base = [*PLAN_8B, "loss.chunk_tokens=0"]
     sharded = make_plan(base, write=False)

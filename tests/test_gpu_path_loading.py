@@ -1,5 +1,5 @@
-"""Loading at scale (issue 17.5): ``model.init_from_hf`` reads each rank's slice of every tensor, not
-whole tensors on every rank; and model code does not import the config layer (issue 20.5)."""
+"""Loading at scale: ``model.init_from_hf`` reads each rank's slice of every tensor, not
+whole tensors on every rank; and model code does not import the config layer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Llama 3.2 (issue 20 item 3): exact sizes, tied embeddings (kept tied under FSDP and TP, refused
+"""Llama 3.2: exact sizes, tied embeddings (kept tied under FSDP and TP, refused
 under PP), the model.* config keys, and HF import/export checked against `transformers`."""
 
 import json

@@ -1,4 +1,4 @@
-"""Chunked cross-entropy (issue 20 item 1): equal to the unchunked loss, a fraction of its memory,
+"""Chunked cross-entropy: equal to the unchunked loss, a fraction of its memory,
 and the same training under TP loss parallel x FSDP and under pipeline parallelism."""
 
 import sys

@@ -1,4 +1,4 @@
-"""Issue 19: profiler traces, the per-rank timeline, the run report (the hang dumps: test_fault_callbacks.py)."""
+"""Profiler traces, the per-rank timeline, the run report (the hang dumps: test_fault_callbacks.py)."""
 
 from __future__ import annotations
 

@@ -83,8 +83,8 @@ def adamw_implementation(params: Iterable[Any], *, fused: bool | None = None, fo
     Explicit settings are passed to torch unchanged: ``fused=True`` or ``foreach=True`` wins, and an
     explicit ``False`` with the other unset leaves torch's per-tensor loop. With neither set: the fused
     kernel when every parameter (a DTensor's local piece included) is a floating-point tensor on CUDA.
-    torch would pick foreach there, one kernel per arithmetic op; on one H100 (issue 23, Llama 3.1 8B
-    widths with 4 layers) fused AdamW took lit-titan from 35,882 to 42,112 tokens/s. Anywhere else:
+    torch would pick foreach there, one kernel per arithmetic op, which reads and writes the optimizer
+    state about three times as often (the measured tokens/s gain: docs/benchmarks.md). Anywhere else:
     torch's own default, foreach on its other accelerators and the per-tensor loop on CPU, so CPU
     runs and their parity are unchanged. ``params`` may be anything with ``device`` and ``dtype`` (or
     ``to_local()`` returning such), so the planner can ask without building tensors.

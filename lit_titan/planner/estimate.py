@@ -32,8 +32,7 @@ HBM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for a streaming ele
 # torch's foreach AdamW (torch/optim/adam.py, _multi_tensor_adam, no capturable) runs a kernel per op:
 # param *= 1-lr*wd (2), exp_avg.lerp_(grad) (3), exp_avg_sq *= beta2 (2), addcmul_(grad, grad) (3),
 # sqrt (2), div_ (2), add_ eps (2), param.addcdiv_(exp_avg, denom) (4) = 20. At 1.92B fp32 parameters on
-# an H100 (3.35 TB/s x 0.8) that is 20 vs 57 ms: 37 ms apart; issue 23 measured 34 ms (lit-titan) and
-# 37 ms (bare loop) between the two kernels.
+# an H100 (3.35 TB/s x 0.8) that is 20 vs 57 ms: 37 ms apart, close to the measured gap (docs/planner.md).
 ADAMW_TENSOR_PASSES = {"fused": 7, "foreach": 20, "for_loop": 20}
 
 

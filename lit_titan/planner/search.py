@@ -9,7 +9,7 @@ Enumerated: pp x dp_replicate x dp_shard x cp x tp = world, with tp dividing the
 and at most one node (its collectives are exposed on every block: across nodes they never win),
 seq_len divisible by tp (x 2cp), the global batch by dp; pipeline schedules 1F1B and Interleaved1F1B
 (2 stages per rank; GPipe holds more activations for the same bubble, the zero-bubble schedules give
-wrong gradients with FSDP2, shared/design.md); micro-batch sizes dividing the local batch (under PP:
+wrong gradients with FSDP2 resharding after forward); micro-batch sizes dividing the local batch (under PP:
 pipeline micro-batches, at least pp of them and, interleaved, a multiple of pp); activation
 checkpointing none/selective_op/full; gradient reduce-scatter every/last micro-batch when
 accumulating; Float8 on profiles whose GPUs have FP8 units (``cluster.fp8: true``).

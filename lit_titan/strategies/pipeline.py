@@ -25,7 +25,8 @@ LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
 # Split backward into input- and weight-gradients; with FSDP they need reshard_after_forward=False
-# inside stages (shared/design.md, trap 1), which TitanStrategy therefore always uses under PP.
+# inside stages (else one stage's gradients are wrong or missing, silently), which TitanStrategy therefore
+# always uses under PP.
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 

@@ -284,7 +284,8 @@ class TitanStrategy(ModelParallelStrategy):
         if dims.pp > 1:
             model, views = self._split_pipeline(model, plan)
             # Pipeline stages run several micro-batches between forward and backward; resharding
-            # after forward gave wrong gradients with zero-bubble schedules (shared/design.md).
+            # after forward gave wrong gradients with zero-bubble schedules, silently
+            # (tests/test_pipeline.py::test_zero_bubble_schedules_match_single_process).
             fsdp_config = replace(fsdp_config, reshard_after_forward=False)
         param_dtype, _ = mixed_precision_for(precision)
         for view in views:
@@ -471,7 +472,7 @@ class TitanStrategy(ModelParallelStrategy):
         """The live sharded model state, not Lightning's CPU copy (``cpu_offload=True``).
 
         The checkpoint writer copies it once, into reused pinned buffers; a CPU copy here would be
-        a second, unpinned and synchronous one (16 s of a 23 GB save on one H100, issue 23).
+        a second, unpinned and synchronous one (seconds per save at 8B scale: docs/benchmarks.md, "Checkpoint stalls").
         """
         if not self._save_distributed_checkpoint:
             return super().lightning_module_state_dict()
