@@ -366,10 +366,6 @@ def _flat(err: BaseException) -> str:
     return one_line(f"{err} {err.__cause__ or ''}")
 
 
-def _override_of(overrides: list[str], key: str) -> str:
-    return next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), key)
-
-
 def _is_hydra_key(key: str) -> bool:
     return key == "hydra" or key.startswith(("hydra.", "hydra/"))
 
