@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lit_titan.errors import ConfigError, keyed_line
+from lit_titan.errors import ConfigError, keyed_line, one_line
 from lit_titan.schema_check import check_schema, compose_error_line
 
 # The model, strategy and optimizer modules import torch and Lightning (seconds): they are imported
@@ -71,7 +71,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
-        detail = " ".join((str(err).strip() or str(err.__cause__ or "").strip() or type(err).__name__).split())
+        detail = one_line(str(err).strip() or str(err.__cause__ or "").strip() or type(err).__name__)
         line = compose_error_line(f"{detail} {err.__cause__ or ''}", list(overrides),
                                   lambda group: sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")))
         error = ConfigError(line or f"{detail}; config groups and their options: {conf_dir()}")
