@@ -150,7 +150,7 @@ def report_rank_failure(err: BaseException) -> Path:
     if is_peer_failure(err) and _another_rank_reported(log_dir, rank):
         return path  # this rank only lost its peer: the first cause has its own line
     summary = one_line(scrub(f"{type(err).__name__}: {err}"))[:300]
-    print(f"lit-titan: error: rank {rank} failed: {summary}; {where}", file=sys.stderr, flush=True)
+    print(error_line(f"rank {rank} failed: {summary}; {where}"), file=sys.stderr, flush=True)
     return path
 
 
@@ -171,9 +171,9 @@ def report_peer_failure() -> None:
         return  # the rank that failed in Python printed its own line (report_rank_failure)
     if rank != 0 and not (peer_exit.world_size() == 2 and not ended):
         return  # rank 0 says it (a survivor of a two-rank job whose peer was rank 0 says it too)
-    print(f"lit-titan: error: {peer_exit.describe(ended)}{peer_exit.checkpoints_state(run_dir)}; continue with "
-          f"resume=auto (torchrun --max-restarts restarts it by itself; HYDRA_FULL_ERROR=1 shows this rank's "
-          f"traceback)", file=sys.stderr, flush=True)
+    print(error_line(f"{peer_exit.describe(ended)}{peer_exit.checkpoints_state(run_dir)}; continue with "
+                     f"resume=auto (torchrun --max-restarts restarts it by itself; HYDRA_FULL_ERROR=1 shows this "
+                     f"rank's traceback)"), file=sys.stderr, flush=True)
 
 
 def _another_rank_reported(log_dir: Path, rank: int, wait_s: float = 3.0) -> bool:
