@@ -1,4 +1,4 @@
-"""The planner's per-rank activation estimate against memory measured on CPU (issue 21 item 5).
+"""The planner's per-rank activation estimate against memory measured on CPU.
 
 For each layout, one process plays rank 0 of a ``fake`` process group (torch's backend whose
 collectives return without moving data: the process holds exactly rank 0's tensors, at their real
@@ -45,7 +45,7 @@ LAYOUTS: dict[str, list[str]] = {
 # Not measured: pipeline stages with activation checkpointing. The probe runs the in-flight
 # micro-batches as one forward (MemTracker refuses a second forward of a module before its
 # backward), so a recomputed block would span all of them instead of one micro-batch.
-TOLERANCE = 0.15  # issue 21 item 5: the estimate within 15% of the measurement
+TOLERANCE = 0.15  # the estimate within 15% of the measurement: close enough to choose a layout by
 
 
 def measure(overrides: list[str]) -> dict[str, Any]:

@@ -11,13 +11,13 @@ then ``Checkpointing`` saves, and the writer records the time the loop was block
 ``trainer.save_checkpoint``: state dicts, free-space check, small files, staging) and the time
 until the checkpoint was complete on disk (written by every rank and published).
 
-    python benchmarks/checkpoint_stall.py                 # issue 23's job: 8B widths, 4 layers, one GPU
+    python benchmarks/checkpoint_stall.py                 # 8B widths, 4 layers, one GPU (docs/benchmarks.md)
     python benchmarks/checkpoint_stall.py --cpu-smoke     # a 0.8 GB state on CPU (what the test runs)
     python benchmarks/checkpoint_stall.py --saves 4 --every 5 -- model.n_layers=2   # extra overrides
 
 The first save allocates the staging buffers (reported separately); the claim is about later ones:
 blocked <= 1.5 x one copy, fastest against fastest (tests/test_gpu_path_checkpoint.py) and, on one H100 with a 23 GB state,
-<= 1 s (issue 23).
+<= 1 s (a save then costs less than a few steps).
 """
 
 from __future__ import annotations

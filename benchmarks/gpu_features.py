@@ -1,4 +1,4 @@
-"""Issue 6's single-GPU table: what each performance feature buys on a Llama 3.1 8B-shaped model.
+"""The single-GPU table: what each performance feature buys on a Llama 3.1 8B-shaped model.
 
 Each configuration is one training run through the real entry point (``python -m lit_titan.train``,
 ``cluster=gpu_1``), in its own process (fresh CUDA memory statistics and compile caches), for

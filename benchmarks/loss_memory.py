@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lit_titan.loss import chunked_cross_entropy  # noqa: E402
+from lit_titan.models.loss import chunked_cross_entropy  # noqa: E402
 
 
 class AllocationTracker(TorchDispatchMode):

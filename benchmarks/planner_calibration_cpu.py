@@ -1,4 +1,4 @@
-"""Calibrate the planner on a CPU dp2 run, predict dp4 and dp2 x tp2 (issue 21), print measured vs predicted.
+"""Calibrate the planner on a CPU dp2 run, predict dp4 and dp2 x tp2, print measured vs predicted.
 
     python benchmarks/planner_calibration_cpu.py RUN_DP2 RUN_DP4 RUN_DP2TP2
 

@@ -1,4 +1,4 @@
-"""Issue 23's reference: lit-titan against a bare PyTorch loop over the same model and shapes.
+"""The reference: lit-titan against a bare PyTorch loop over the same model and shapes.
 
 The bare loop trains the *same* ``lit_titan.models.llama3.Transformer`` without Lightning:
 ``fully_shard`` per block and on the root (bf16 params, fp32 gradient reduction), optional

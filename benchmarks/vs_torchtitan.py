@@ -1,4 +1,4 @@
-"""Issue 17's peer benchmark: the same Llama trained by TorchTitan 0.3.0 and by lit-titan, one GPU.
+"""The peer benchmark: the same Llama trained by TorchTitan 0.3.0 and by lit-titan, one GPU.
 
 Llama 3.1 8B widths with ``--layers`` blocks (4: 1,923,125,248 parameters in both; the script
 checks the counts match), seq_len ``--seq-len``, micro-batch 1 = global batch 1, bf16 params with
@@ -225,7 +225,7 @@ def _free_port() -> int:
 
 # ---- driver -------------------------------------------------------------------------------------
 def lit_params(args: argparse.Namespace) -> int:
-    from lit_titan.callbacks.throughput import count_params
+    from lit_titan.models.llama3.flops import count_params
     from lit_titan.models.llama3 import get_flavor
 
     if args.cpu_smoke:

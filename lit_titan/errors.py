@@ -1,4 +1,4 @@
-"""Error types shared by every layer; this module imports nothing from lit_titan.
+"""Error types shared by every layer, and the one formatter of an error line; imports nothing from lit_titan.
 
 ``ConfigError`` lives here rather than in ``lit_titan.config`` so that model code
 (``models/llama3/hf.py`` refusing a Hugging Face directory) can raise it without importing the
@@ -7,9 +7,52 @@ config layer, which itself imports the models: dependencies point one way, down 
 
 from __future__ import annotations
 
+import re
 
-class ConfigError(ValueError):
+
+class UserError(ValueError):
+    """Bad input the user fixes (a key, a path, a checkpoint of another model): one line, exit code 2.
+
+    The kinds: ``ConfigError`` here, ``LayoutError`` (parallel degrees), ``CheckpointError`` and
+    ``ExportError`` in their layers, so that an entry point can refuse all of them by this one type.
+    """
+
+
+class ConfigError(UserError):
     """A configuration that cannot run; the message names the key to change."""
+
+
+# ``key=value must ...`` (raised below the config layer, which does not know the line's form).
+_KEYED = re.compile(r"^(?P<kv>[A-Za-z_][\w.\[\]]*=(?:\[[^\]]*\]|\{[^}]*\}|'[^']*'|\S+?))(?P<colon>:?) "
+                    r"(?P<rest>.*)$", re.S)
+
+
+def one_line(err: BaseException | str, *, with_type: bool = False) -> str:
+    """``err``'s message on one line, as a terminal or a log grep wants an error: whitespace runs
+    collapsed, lines joined by ``"; "`` (by a space after a line that already ends a sentence).
+
+    ``with_type`` puts the exception's class first where it is the information (``OSError: ...``).
+    """
+    text = ""
+    for line in str(err).splitlines():
+        line = " ".join(line.split())
+        if line:
+            text = f"{text}{' ' if text.endswith(('.', ':', ';', ',', '!', '?')) else '; '}{line}" if text else line
+    if with_type and isinstance(err, BaseException):
+        return f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text
+
+
+def keyed_line(message: str) -> str:
+    """``key=value: what is wrong; what to do``: a message that starts ``key=value must ...`` (ParallelDims,
+    the model's arguments, the profiler's windows) gets the colon of that form; others are unchanged."""
+    m = _KEYED.match(message)
+    return f"{m['kv']}: {m['rest']}" if m and not m["colon"] else message
+
+
+def error_line(err: BaseException | str) -> str:
+    """The line an entry point prints for bad input: ``lit-titan: error: <key>=<value>: <what>; <what to do>``."""
+    return f"lit-titan: error: {keyed_line(one_line(err))}"
 
 
 # The exit code of a run stopped by a NaN/Inf loss, gradient norm or checkpoint state. Not 1 (a
@@ -51,7 +94,7 @@ class Preempted(Exception):
 
 # What a collective raises on the ranks left when a peer dies (gloo; NCCL reports its peer's abort).
 # Here, at the bottom, because the checkpoint writer (which must not blame the disk for it) and the
-# command line (which prints the one line, lit_titan/peer_exit.py) both ask.
+# command line (which prints the one line, lit_titan/observe/peer_exit.py) both ask.
 PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
              "NCCL communicator was aborted")
 
@@ -62,4 +105,4 @@ def is_peer_failure(err: BaseException) -> bool:
 
 
 __all__ = ["NONFINITE_EXIT_CODE", "PEER_GONE", "REQUEUE_EXIT_CODE", "ConfigError", "NonFiniteError", "Preempted",
-           "is_peer_failure"]
+           "UserError", "error_line", "is_peer_failure", "keyed_line", "one_line"]

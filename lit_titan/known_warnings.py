@@ -7,7 +7,7 @@ dependency changes. Never a blanket filter: any other warning still shows, and t
 ``tests/test_first_hour.py::test_default_run_prints_no_warning`` fails on a new one.
 
 Our own causes are fixed where they arise, not here (the run directory vs the CSV logger:
-``lit_titan/csv_logger.py``; the flight recorder's deprecated variable: ``observe/flight_recorder.py``).
+``lit_titan/observe/csv_logger.py``; the flight recorder's deprecated variable: ``observe/flight_recorder.py``).
 
 Installed on ``import lit_titan`` (every entry point, every rank, the notebooks).
 """

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lit_titan.log_cadence import forget_logged, is_logging_step
-from lit_titan.loss import at_least_fp32, resolve_chunk_tokens
+from lit_titan.observe.log_cadence import forget_logged, is_logging_step
+from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
 from lit_titan.models.llama3 import Transformer, get_flavor
-from lit_titan.optim import OptimConfig, build_optimizer, build_scheduler
+from lit_titan.optim.build import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.observe.phases import PhaseClock, phase
 from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_norm
 

@@ -1,4 +1,4 @@
-"""The side-by-side benchmarks' CPU smoke modes (issue 23 item 6, issue 17): every row, positive figures.
+"""The side-by-side benchmarks' CPU smoke modes: every row, positive figures.
 
 The figures mean nothing on CPU; these tests prove the plumbing a GPU run relies on: both sides
 train every configuration of the table, the bare loop really applies Float8 and selective AC, and
@@ -31,7 +31,7 @@ def _smoke(script: str, tmp_path: Path) -> tuple[list[str], dict | list]:
 @pytest.mark.slow
 def test_vs_bare_loop_cpu_smoke(tmp_path):
     rows = ["bf16_eager", "bf16_compile", "compile_float8_tensorwise", "compile_float8_rowwise",
-            "compile_ac_selective_op"]  # issue 23's table
+            "compile_ac_selective_op"]  # the GPU table's rows (docs/benchmarks.md)
     table, results = _smoke("vs_bare_loop.py", tmp_path)
     assert [line.split("|")[1].strip() for line in table[2:]] == rows
     assert [r["name"] for r in results] == rows

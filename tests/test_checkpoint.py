@@ -1,4 +1,4 @@
-"""Checkpoints and recovery (issue 7): sharded DCP saves, written asynchronously and published
+"""Checkpoints and recovery: sharded DCP saves, written asynchronously and published
 atomically; bitwise-exact resume; resume into other layouts with the data position kept; automatic
 restart after a rank dies (also mid-save); damaged checkpoints refused, the previous one used."""
 

@@ -128,3 +128,19 @@ def test_the_train_command_checks_its_config_once(tmp_path, monkeypatch):
                     f"run_dir={tmp_path}"])
     assert summary and (tmp_path / "metrics.csv").is_file()
     assert counts == {"schema": 1, "rules": 1, "degrees": 1, "inputs": 1}, counts
+
+
+def test_one_error_line_formatter():
+    """lit_titan.errors holds the one formatter every layer's message goes through, and the kinds of bad input."""
+    from lit_titan.checkpoint.layout import CheckpointError
+    from lit_titan.errors import UserError, error_line, keyed_line, one_line
+    from lit_titan.cli.export import ExportError
+
+    assert one_line("first\n  second   part\n\nthird.") == "first; second part; third."
+    assert one_line("Could not override 'x'.\nTo append use +x=1") == "Could not override 'x'. To append use +x=1"
+    assert one_line(OSError("disk\nfull"), with_type=True) == "OSError: disk; full"
+    assert one_line(RuntimeError(), with_type=True) == "RuntimeError"
+    assert keyed_line("parallel.tp=3 must divide n_heads") == "parallel.tp=3: must divide n_heads"
+    assert keyed_line("data.path=x: no such file") == "data.path=x: no such file"
+    assert error_line("parallel.tp=3 must divide\nn_heads=4") == "lit-titan: error: parallel.tp=3: must divide; n_heads=4"
+    assert all(issubclass(k, UserError) for k in (ConfigError, LayoutError, CheckpointError, ExportError))

@@ -1,4 +1,4 @@
-"""The global order (issue 16): layout independence, coverage, shuffle quality, read volume, mixtures, resume cost.
+"""The global order: layout independence, coverage, shuffle quality, read volume, mixtures, resume cost.
 
 Everything here runs the real loaders over real prepared shards in this process (no process
 group is needed: a data-parallel rank is given by ``dp_rank``/``dp_size``); the training-level

@@ -1,8 +1,8 @@
-"""Training on the one global order (issue 16): the same losses for any layout, accumulation and workers.
+"""Training on the one global order: the same losses for any layout, accumulation and workers.
 
 The reference is one process taking the whole global batch of 16 in one micro-batch; the
-others split it over ranks, micro-batches and loader workers. Before issue 16 a layout with
-accumulation could only be compared with one process of the same micro-batch.
+others split it over ranks, micro-batches and loader workers: the order does not depend on the
+layout, so a layout with accumulation compares with one process of any micro-batch.
 """
 
 import pytest

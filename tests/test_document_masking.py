@@ -1,4 +1,4 @@
-"""Document masking (issue 20 item 2): block-causal attention from the document boundaries.
+"""Document masking: block-causal attention from the document boundaries.
 
 A packed sequence gives each document the gradients it has alone (tests/test_hf_reference.py); SDPA (dense mask) and
 FlexAttention (block mask) agree; it trains the same under FSDP x TP and PP x TP (every stage gets

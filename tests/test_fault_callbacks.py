@@ -153,7 +153,7 @@ def test_watchdog_fires_on_a_hang_in_a_two_process_run(tmp_path):
         assert info["rank"] == r and info["global_step"] == 2 and info["last_progress"] == "train batch end"
         assert timeout_s < info["seconds_since_progress"] < timeout_s + 5
         assert f"lit-titan watchdog: rank {r} made no progress" in proc.stderr
-    # The flight recorder (issue 19 item 4): each rank's buffer of collectives, and its newest ones.
+    # The flight recorder: each rank's buffer of collectives, and its newest ones.
     last = {}
     for r in (0, 1):
         info = json.loads((hang / f"rank{r}.json").read_text())

@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 26): a quiet default run, a bar in optimizer steps, end lines that say what next.
+"""A new user's first hour: a quiet default run, a bar in optimizer steps, end lines that say what next.
 
 Through the real command line (a subprocess, stdout a pipe: the progress bar's plain-line mode, as in
 CI logs and Slurm output files).
@@ -265,7 +265,7 @@ def test_readme_first_hour_commands_are_exercised():
 
 def test_csv_logger_warns_only_when_it_would_replace_metrics(tmp_path):
     """A run directory holding Hydra's record is normal (no warning); an earlier metrics.csv is not (warning)."""
-    from lit_titan.csv_logger import RunDirCSVLogger
+    from lit_titan.observe.csv_logger import RunDirCSVLogger
 
     (tmp_path / ".hydra").mkdir()
     (tmp_path / "config.yaml").write_text("seed: 0\n")

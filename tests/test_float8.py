@@ -246,7 +246,7 @@ def test_float8_tp_styles_exactly_where_converted(case):
         else:  # the output head (filtered), norms, embedding, kept Linears, stage io
             assert type(style) is type(plan_style), (name, style)
         assert _layouts(style) == _layouts(plan_style), name  # same layouts, use_local_output included
-    # the residual stream stays a Shard(1) DTensor (shared/design.md, trap 2)
+    # the residual stream stays a Shard(1) DTensor (local tensors there make FSDP x TP x compile train silently wrong)
     wo = rewritten["layers.0.attention.wo"]
     assert wo.output_layouts == (Shard(1),) and wo.use_local_output is False
     assert sum(isinstance(s, tuple(float8_of.values())) for s in rewritten.values()) == len(expected)
@@ -315,7 +315,7 @@ def test_float8_tp_through_strategy_and_planner_over_fake_pg(monkeypatch):
             == {"Float8ColwiseParallel"}
         assert {got["seen"][f"layers.{i}.{n}"] for n in ("attention.wo", "feed_forward.w2")} \
             == {"Float8RowwiseParallel"}
-    # the head stays bf16: its style is the plan's own ColwiseParallel subclass (LossHeadColwise, issue 20)
+    # the head stays bf16: its style is the plan's own ColwiseParallel subclass (LossHeadColwise)
     assert got["seen"]["output"] in ("ColwiseParallel", "LossHeadColwise")
     assert got["seen"]["tok_embeddings"] == "RowwiseParallel"
     # per block: forward gathers the attention and feed-forward inputs, backward the wo and w2 output

@@ -1,11 +1,11 @@
-"""Gradient accumulation keeps gradients sharded; fused AdamW on CUDA; the planner counts both (issues 17, 23).
+"""Gradient accumulation keeps gradients sharded; fused AdamW on CUDA; the planner counts both.
 
 - Every rank's gradient storage at every micro-batch boundary (dp_shard=4, accumulation 4),
   measured where FSDP2 really keeps it (``lit_titan.strategies.fsdp.gradient_storage_bytes``),
   is about 1/4 of the model by default, and the whole model under the explicit
   ``parallel.grad_reduce_scatter=last_microbatch``; losses equal one process under both.
 - HSDP with accumulation reduce-scatters every micro-batch and all-reduces once per step.
-- The AdamW implementation decision (``lit_titan.optim.adamw_implementation``).
+- The AdamW implementation decision (``lit_titan.optim.build.adamw_implementation``).
 - The planner's gradient term and step time follow the option; without HBM facts it says "fit unknown".
 """
 
@@ -104,7 +104,7 @@ def test_bad_grad_reduce_scatter_is_one_config_error(overrides, needle):
     assert needle in str(err.value)
 
 
-# ---- fused AdamW by default on CUDA (issue 23.1) -------------------------------------------------------------
+# ---- fused AdamW by default on CUDA --------------------------------------------------------------------------
 def _fake(device: str, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
     return SimpleNamespace(device=torch.device(device), dtype=dtype)
 
@@ -121,7 +121,7 @@ class _FakeDTensor:
 
 
 def test_adamw_is_fused_when_every_parameter_is_on_cuda():
-    from lit_titan.optim import adamw_implementation
+    from lit_titan.optim.build import adamw_implementation
 
     cuda = [_fake("cuda:0"), _fake("cuda:0", torch.bfloat16)]
     assert adamw_implementation(cuda) == "fused"
@@ -140,7 +140,7 @@ def test_adamw_is_fused_when_every_parameter_is_on_cuda():
 
 
 def test_build_optimizer_passes_the_decision_to_adamw():
-    from lit_titan.optim import OptimConfig, build_optimizer
+    from lit_titan.optim.build import OptimConfig, build_optimizer
 
     model = torch.nn.Linear(4, 4)
     opt = build_optimizer(model, OptimConfig())  # CPU parameters: as before, neither fused nor foreach
@@ -156,7 +156,7 @@ PLAN_8B = ["+recipe=llama3_8b_h100_8"]  # FSDP 8, micro-batch 1 x accumulation 2
 def test_planner_gradient_term_follows_the_option(tmp_path):
     from lit_titan.cli.plan import make_plan
 
-    # the unchunked loss of issue 17's figures: with the chunked loss (issue 20, default at 128K vocab)
+    # the unchunked loss of the GPU figures: with the chunked loss (the default at 128K vocab)
     # the unsharded variant's 72.4 GiB fits, so the OOM below would not show
     base = [*PLAN_8B, "loss.chunk_tokens=0"]
     sharded = make_plan(base, write=False)
@@ -210,7 +210,7 @@ def test_plan_without_hbm_facts_says_fit_unknown(tmp_path):
 
 def test_a_checkpoint_does_not_carry_its_adamw_kernel_over():
     """Loading an optimizer state saved with another kernel keeps this process's choice (resume on other hardware)."""
-    from lit_titan.optim import OptimConfig, build_optimizer, keep_kernel_choice
+    from lit_titan.optim.build import OptimConfig, build_optimizer, keep_kernel_choice
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)

@@ -1,4 +1,4 @@
-"""Checkpoints on the GPU path (issues 17.3, 23.3, 23.4), proven on CPU.
+"""Checkpoints on the GPU path, proven on CPU.
 
 - Asynchronous saves stage the state once, into buffers allocated at the first save and reused
   (pinned on CUDA), so the training loop waits for about one copy of the rank's state.

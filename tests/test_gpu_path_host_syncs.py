@@ -1,4 +1,4 @@
-"""Issue 17 item 2: steps that do not log read nothing back to the host and run no logging collective.
+"""Steps that do not log read nothing back to the host and run no logging collective.
 
 (Except the non-finite guard, on by default: it decides before every update, one read of three
 numbers and, with several ranks, their all-reduce per step; counted exactly, docs/fault_tolerance.md.)
@@ -146,7 +146,7 @@ def test_pipeline_sums_the_last_stage_loss_only_on_logging_steps(tmp_path, every
         assert abs(float(row["train/loss"]) - ref) <= 1e-5 * abs(ref), (step, row["train/loss"], ref)
 
 
-# ---- issue 17 item 7: data loading off the critical path on GPU profiles ---------------------------
+# ---- data loading off the critical path on GPU profiles ------------------------------------------
 @pytest.mark.parametrize("profile", ["gpu_1", "h100_8", "h100_64", "h100_128", "h100_256", "h100_512"])
 def test_gpu_profiles_log_every_10_steps_and_load_in_a_worker(profile):
     from lit_titan.config import compose

@@ -1,4 +1,4 @@
-"""Precision traps of the GPU path (issue 17.4), proven on CPU.
+"""Precision traps of the GPU path, proven on CPU.
 
 - rotary cos/sin tables reach attention in fp32 under bf16 FSDP mixed precision (FSDP2 casts every
   unit's floating-point forward inputs by default, which rounded them to bf16);

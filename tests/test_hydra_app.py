@@ -1,4 +1,4 @@
-"""``python -m lit_titan.train`` as a Hydra app (issue 18): sweeps, user config dirs, display flags, submitit, bad input."""
+"""``python -m lit_titan.train`` as a Hydra app: sweeps, user config dirs, display flags, submitit, bad input."""
 
 from __future__ import annotations
 

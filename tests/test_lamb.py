@@ -13,8 +13,8 @@ from torch import nn
 from helpers import TINY, assert_losses_match, final_params, losses, read_metrics
 from lit_titan.config import compose, validate
 from lit_titan.errors import ConfigError
-from lit_titan.lamb import Lamb
-from lit_titan.optim import OptimConfig, build_optimizer
+from lit_titan.optim.lamb import Lamb
+from lit_titan.optim.build import OptimConfig, build_optimizer
 
 
 def _paper_lamb(params, grads_per_step, lr, betas, eps, wd):

@@ -1,4 +1,4 @@
-"""Chunked cross-entropy (issue 20 item 1): equal to the unchunked loss, a fraction of its memory,
+"""Chunked cross-entropy: equal to the unchunked loss, a fraction of its memory,
 and the same training under TP loss parallel x FSDP and under pipeline parallelism."""
 
 import sys
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TINY, assert_losses_match, losses, read_metrics
-from lit_titan.loss import chunked_cross_entropy, resolve_chunk_tokens
+from lit_titan.models.loss import chunked_cross_entropy, resolve_chunk_tokens
 from lit_titan.models.llama3 import Transformer, get_flavor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -1,4 +1,4 @@
-"""Multi-node for real (issue 18, items 3-5), on one machine.
+"""Multi-node for real, on one machine.
 
 Two torchrun agents act as two nodes (``--nnodes=2``, c10d rendezvous on 127.0.0.1, two processes
 each) and train HSDP with ``dp_replicate=2`` across the nodes and ``dp_shard=2`` inside each, to

@@ -110,6 +110,6 @@ def test_notebook_runs(path, executed):
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
     shown = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream")
-    assert noise(shown) == [], shown[-4000:]  # no warning a user cannot act on (issue 26)
+    assert noise(shown) == [], shown[-4000:]  # no warning a user cannot act on
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, f"{path.name} drew no plot"

@@ -1,4 +1,4 @@
-"""Issue 19: profiler traces, the per-rank timeline, the run report (the hang dumps: test_fault_callbacks.py)."""
+"""Profiler traces, the per-rank timeline, the run report (the hang dumps: test_fault_callbacks.py)."""
 
 from __future__ import annotations
 
@@ -175,9 +175,9 @@ def test_report_plots_the_runs_own_numbers(observed_run, tmp_path):
     assert not re.search(r"(src|href)=['\"]https?://", page)
     assert "profile/step-000003/rank-1.json.gz" in page and "dp_shard: 2" in page
     # the run's figures (summary.json) and the model's shape from its flavor, not only its name
-    from lit_titan.callbacks.throughput import count_params
     from lit_titan.config import compose
     from lit_titan.config.spec import model_args
+    from lit_titan.models.llama3.flops import count_params
 
     args = model_args(compose(TWO_RANKS))
     figures = re.search(r"<table id='run-figures'>(.*?)</table>", page).group(1)

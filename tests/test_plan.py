@@ -190,7 +190,7 @@ def _plan_examples(overrides: list[str], tmp_path: Path) -> dict:
     return make_plan([*overrides, f"run_dir={tmp_path / 'stock'}"], write=False)["per_rank"]["example_parameters"]
 
 
-# ---- search (issue 21) ------------------------------------------------------------------------------
+# ---- search -----------------------------------------------------------------------------------------
 
 DEBUG_LAYOUTS = [dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B"), dict(pp=1, dp_shard=2, cp=2, tp=2),
                  dict(pp=1, dp_replicate=2, dp_shard=2, tp=2), dict(pp=2, dp_shard=4, pp_schedule="1F1B")]
@@ -274,7 +274,7 @@ def test_search_no_layout_fits_names_the_closest(tmp_path):
     assert "closest is pp" in err[0] and "cluster.num_nodes" in err[0]
 
 
-# ---- calibration (issue 21) -------------------------------------------------------------------------
+# ---- calibration ------------------------------------------------------------------------------------
 
 def _fake_run(run_dir: Path, overrides: list[str], step_s: float, busy_s: float) -> None:
     """A run directory as training writes it (config.yaml, timeline/rank-0.csv) with given step times."""
@@ -338,7 +338,7 @@ def test_published_comparison_table_is_pinned():
     assert shipped.float8_linear_speedup == pytest.approx(fit.float8_linear_speedup, rel=1e-9)
 
 
-# ---- activation estimate vs measured memory (issue 21 item 5) -----------------------------------
+# ---- activation estimate vs measured memory ----------------------------------------------------
 @pytest.mark.slow
 def test_activation_estimate_matches_cpu_measurement():
     """The plan's per-rank activation bytes within 15% of rank 0's measured activation peak (fake

@@ -8,7 +8,7 @@ import pytest
 from helpers import TINY, read_metrics, run_job
 from lit_titan.config import compose, validate
 from lit_titan.errors import ConfigError
-from lit_titan.callbacks.preflight import best_of, judge
+from lit_titan.observe.diagnostics import best_of, judge
 
 
 def _record(rank, tflops, gbps=1.0, ranks=(0, 1)):

@@ -209,9 +209,9 @@ def test_choices_match_the_code_that_uses_them():
     # parallel group's choices are the strategy's own (strategies/settings.py), so no copy to compare.
     from lit_titan.callbacks.activation_checkpointing import MODES
     from lit_titan.callbacks.float8 import RECIPES
-    from lit_titan.config import schema
-    from lit_titan.optim import SCHEDULES
     from lit_titan.cli.launch import LAUNCHERS
+    from lit_titan.config import schema
+    from lit_titan.optim.build import SCHEDULES
 
     assert (schema.AC_MODES, schema.FLOAT8_RECIPES, schema.LR_SCHEDULES) == (MODES, RECIPES, SCHEDULES)
     assert schema.LAUNCHERS == LAUNCHERS

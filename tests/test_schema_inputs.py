@@ -1,4 +1,4 @@
-"""Issue 24's classes of bad input, each one line before any rank, directory or model exists.
+"""The classes of bad input, each one line before any rank, directory or model exists.
 
 In-process through ``lit_titan.train.main`` (the function the CLI runs: Hydra app -> check -> validate
 -> schema_inputs) for the data and tokenizer classes; a few through the real command line (exit code 2,

@@ -87,10 +87,10 @@ def test_prepare_to_s3_then_credentials_appear_in_no_file_and_no_output(tmp_path
 
 
 def test_what_is_secret_and_printed_commands_round_trip_through_the_shell(monkeypatch: Any, tmp_path: Path) -> None:
-    """The redaction rules (lit_titan/redact.py), error lines, and shell quoting of the end-of-run lines."""
+    """The redaction rules (lit_titan/observe/redact.py), error lines, and shell quoting of the end-of-run lines."""
     from lit_titan.callbacks import RunSummary
     from lit_titan.job.ranks import scrub
-    from lit_titan.redact import is_secret_key, redact, secrets_of
+    from lit_titan.observe.redact import is_secret_key, redact, secrets_of
 
     secret = ["aws_secret_access_key", "aws_access_key_id", "aws_session_token", "key", "api_key", "hf_token",
               "password", "WANDB_API_KEY", "credentials_file", "auth"]

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_titan.errors import NonFiniteError
-from lit_titan.log_cadence import is_logging_step
+from lit_titan.observe.log_cadence import is_logging_step
 
 __all__ = ["ACTIONS", "NonFiniteError", "NonFiniteGuard"]
 

@@ -91,7 +91,7 @@ class Preemption(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_step = trainer.global_step
         # Lightning's flag is never set while these handlers are installed: its per-batch broadcast of it
-        # (amortised to logging steps by lit_titan.log_cadence) would be a collective and a host sync
+        # (amortised to logging steps by lit_titan.observe.log_cadence) would be a collective and a host sync
         # (``.item()``) on the GPU that carries nothing.
         loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         if loop is not None and hasattr(loop, "_broadcast_sigterm_tensor"):

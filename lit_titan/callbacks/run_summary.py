@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_titan.redact import MASK
+from lit_titan.observe.redact import MASK
 
 __all__ = ["RunSummary", "SUMMARY_FILE"]
 
@@ -54,7 +54,7 @@ class RunSummary(L.Callback):
         tokens_per_step = getattr(pl_module, "_tokens_per_step", 0)
         loss = trainer.callback_metrics.get("train/loss")
         mfu = trainer.callback_metrics.get("perf/mfu")
-        from lit_titan.callbacks.throughput import count_params
+        from lit_titan.models.llama3.flops import count_params
 
         args = getattr(pl_module, "model_args", None)
         dims = getattr(trainer.strategy, "parallel_dims", None)

@@ -41,7 +41,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from lit_titan.log_cadence import forget_logged, is_logging_step
+from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.phases import PHASES
 
 __all__ = ["StragglerReport", "straggler_stats"]

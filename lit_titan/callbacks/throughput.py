@@ -3,133 +3,27 @@
 ``ThroughputMonitor`` logs through ``pl_module.log(..., on_step=True, on_epoch=False)`` on the
 steps that write a metrics row (``trainer.log_every_n_steps``), so the values land in the same
 row (e.g. ``metrics.csv``) as ``train/loss`` of that step, averaged over the steps since the last:
-
-- ``perf/tokens_per_sec_per_device``: global tokens of the window / its wall time / world size;
-- ``perf/tflops_per_device``:         tokens_per_sec_per_device * flops_per_token / 1e12;
-- ``perf/mfu``:                       tflops_per_device / peak bf16 dense TFLOP/s of the device,
-  only on devices listed in ``PEAK_BF16_TFLOPS`` (never on CPU or unknown GPUs);
-- ``perf/max_memory_allocated_gib`` / ``perf/max_memory_reserved_gib``: CUDA only.
-
-Model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; the same formula as TorchTitan's
-``get_num_flop_per_token``)::
-
-    flops_per_token = 6 * (N - N_embedding) + 12 * n_layers * n_heads * head_dim * seq_len
-
-``N`` counts the parameters of the *whole* model (not this rank's FSDP shard / TP slice / PP
-stage) and ``N_embedding = vocab_size * dim`` is the input embedding table (a lookup, no matmul);
-the output head is a matmul and counts. ``6 * N`` is forward (2) + backward (4) FLOPs of the
-weight matmuls per token; the second term is the attention score / value matmuls (QK^T and AV,
-forward + backward) over the full sequence, without discounting the causal mask (as PaLM and
-TorchTitan do). Activation recomputation is not counted: these are *model* FLOPs, hence MFU,
-not hardware FLOPs utilisation.
+``perf/tokens_per_sec_per_device``, ``perf/tflops_per_device``, ``perf/mfu`` (only on devices
+with a known peak: never on CPU or unknown GPUs) and, on CUDA, ``perf/max_memory_allocated_gib`` /
+``perf/max_memory_reserved_gib``. The maths is ``lit_titan.observe.throughput``; the model's FLOPs
+per token ``lit_titan.models.llama3.flops``. This file only hooks them into Lightning.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import lightning as L
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from lit_titan.log_cadence import forget_logged, is_logging_step
+from lit_titan.models.llama3.flops import count_params, flops_per_token
+from lit_titan.observe.log_cadence import forget_logged, is_logging_step
+from lit_titan.observe.throughput import Mark, batch_tokens, peak_bf16_tflops, per_device_throughput
 
-__all__ = [
-    "PEAK_BF16_TFLOPS",
-    "ThroughputMonitor",
-    "count_params",
-    "flops_per_token",
-    "peak_bf16_tflops",
-    "per_device_throughput",
-]
-
-# Peak dense (no structured sparsity) BF16 Tensor Core TFLOP/s, matched as case-insensitive
-# substrings of ``torch.cuda.get_device_name()``; the first match wins, so the specific names come
-# before the generic ones ("H100 PCIe" / "H100 NVL" before "H100", "H200 NVL" before "H200").
-# Sources: NVIDIA datasheets, which quote BF16 "with sparsity"; the dense figure is half of it.
-# - A100 datasheet: BF16 312 TFLOPS dense (624 sparse), SXM4 and PCIe alike.
-# - H100 datasheet: BF16 1,979 (SXM) / 1,513 (PCIe) / 1,671 (NVL) TFLOPS with sparsity
-#   -> 989 / 756 / 835 dense. "NVIDIA H100 80GB HBM3" is the SXM part.
-# - H200 datasheet: BF16 1,979 (SXM) / 1,671 (NVL) TFLOPS with sparsity -> 989 / 835 dense
-#   (GH200's GPU is the same H100/H200 silicon: its name "GH200" matches "H200", 989).
-# - B200 (HGX B200 datasheet): BF16 4.5 PFLOPS with sparsity -> 2,250 dense.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("A100", 312.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100 SXM", 989.0),
-    ("H100", 989.0),
-    ("H200 NVL", 835.0),
-    ("H200", 989.0),
-    ("B200", 2250.0),
-)
+__all__ = ["ThroughputMonitor"]
 
 _GIB = 1024**3
-
-
-def peak_flops(cluster: dict[str, Any], precision: str) -> float:
-    """Peak FLOP/s per device of a cluster profile (``conf/cluster``) for the run's matmul dtype: ``peak_fp32_tflops`` under 32-true when the
-    profile has it (CPU profiles measure it), else ``peak_bf16_tflops``."""
-    if precision == "32-true" and cluster.get("peak_fp32_tflops"):
-        return float(cluster["peak_fp32_tflops"]) * 1e12
-    return float(cluster.get("peak_bf16_tflops") or 0) * 1e12
-
-
-def peak_bf16_tflops(device_name: str | None) -> float | None:
-    """Peak dense BF16 TFLOP/s of a GPU from its ``torch.cuda.get_device_name()``; None if unknown."""
-    if not device_name:
-        return None
-    name = device_name.lower()
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key.lower() in name:
-            return tflops
-    return None
-
-
-def count_params(model_args: Any) -> int:
-    """Parameters of the whole Llama 3 ``Transformer`` built from ``model_args`` (untied output head).
-
-    Equals ``sum(p.numel() for p in Transformer(model_args).parameters())``.
-    """
-    dim, hd = model_args.dim, model_args.head_dim
-    attention = dim * model_args.n_heads * hd * 2 + dim * model_args.kv_heads * hd * 2  # wq, wo, wk, wv
-    ffn = 3 * dim * model_args.ffn_hidden_dim  # w1, w2, w3
-    norms = 1 if getattr(model_args, "parallel_block", False) else 2  # the parallel block has one norm
-    block = attention + ffn + norms * dim  # + attention_norm, ffn_norm
-    return model_args.n_layers * block + 2 * model_args.vocab_size * dim + dim  # embedding, output, norm
-
-
-def flops_per_token(model_args: Any, seq_len: int, num_params: int | None = None) -> float:
-    """Training (forward + backward) model FLOPs per token (PaLM appendix B / TorchTitan).
-
-    ``6 * (N - vocab_size * dim) + 12 * n_heads * head_dim * sum over layers of keys``, with ``N`` the
-    whole model's parameter count (``num_params``, or analytically from ``model_args``) and keys per
-    query counted as the convention does (``seq_len``, the causal half not subtracted) for a global layer
-    and ``min(window, seq_len)`` for a sliding-window layer (``model.sliding_window``).
-    """
-    n = count_params(model_args) if num_params is None else int(num_params)
-    n_embedding = model_args.vocab_size * model_args.dim
-    window_of = getattr(model_args, "window_of", lambda layer: None)
-    keys = sum(seq_len if window_of(i) is None else min(window_of(i), seq_len) for i in range(model_args.n_layers))
-    attention = 12 * model_args.n_heads * model_args.head_dim * keys
-    return float(6 * (n - n_embedding) + attention)
-
-
-def per_device_throughput(global_tokens: float, step_seconds: float, world_size: int, flops_per_token: float,
-                          peak_tflops: float | None = None) -> dict[str, float]:
-    """Per-device numbers of one optimizer step from its *global* token count.
-
-    The global tokens are divided by the world size (every rank: dp, tp, cp and pp peers alike),
-    so the same per-device work gives the same per-device numbers under any parallel layout.
-    ``mfu`` is present only when ``peak_tflops`` is known.
-    """
-    tokens_per_sec = global_tokens / step_seconds / world_size
-    tflops = tokens_per_sec * flops_per_token / 1e12
-    out = {"tokens_per_sec_per_device": tokens_per_sec, "tflops_per_device": tflops}
-    if peak_tflops:
-        out["mfu"] = tflops / peak_tflops
-    return out
 
 
 class ThroughputMonitor(L.Callback):
@@ -166,7 +60,7 @@ class ThroughputMonitor(L.Callback):
         self.last: dict[str, float] = {}
         self.num_params: int | None = None
         self.peak_tflops: float | None = None
-        self._start: _Mark | None = None  # the window's start (None: clock not running)
+        self._start: Mark | None = None  # the window's start (None: clock not running)
         self._steps_seen = 0
         self._prev_global_step = 0
         self._window_tokens = 0  # this rank's input tokens since the window started
@@ -193,7 +87,7 @@ class ThroughputMonitor(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        tokens = _batch_tokens(batch)  # shapes only: no device access
+        tokens = batch_tokens(batch)  # shapes only: no device access
         if tokens is not None:
             self._window_tokens += tokens[0] * tokens[1]
             self._seq_len = tokens[1]
@@ -207,7 +101,7 @@ class ThroughputMonitor(L.Callback):
         self._window_steps += 1
         if not is_logging_step(trainer, trainer.global_step):
             return  # nothing read, nothing logged: no host sync on this step
-        start, end = self._start, _Mark.now(pl_module.device)
+        start, end = self._start, Mark.now(pl_module.device)
         window_tokens, window_steps = self._window_tokens, self._window_steps
         self._start, self._window_tokens, self._window_steps = end, 0, 0
         if not window_tokens:
@@ -244,42 +138,7 @@ class ThroughputMonitor(L.Callback):
 
     # ---- helpers --------------------------------------------------------------------------------
     def _restart(self, device: torch.device) -> None:
-        self._start, self._window_tokens, self._window_steps = _Mark.now(device), 0, 0
-
-
-class _Mark:
-    """A point in the step stream: a CUDA event recorded on the current stream, or the host clock."""
-
-    __slots__ = ("event", "host")
-
-    def __init__(self, event: Any = None, host: float | None = None) -> None:
-        self.event, self.host = event, host
-
-    @classmethod
-    def now(cls, device: torch.device) -> _Mark:
-        if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(device))  # queued: no wait
-            return cls(event=event)
-        return cls(host=time.perf_counter())
-
-    def seconds_until(self, end: _Mark) -> float:
-        if self.event is not None and end.event is not None:
-            end.event.synchronize()  # the one host wait, on logging steps only
-            return self.event.elapsed_time(end.event) / 1e3  # ms -> s
-        assert self.host is not None and end.host is not None
-        return end.host - self.host
-
-
-def _batch_tokens(batch: Any) -> tuple[int, int] | None:
-    """(micro-batch size, seq_len) of a [micro, seq_len + 1] token batch (or its first tensor)."""
-    if isinstance(batch, dict):
-        batch = next((v for v in batch.values() if isinstance(v, Tensor)), None)
-    elif isinstance(batch, (list, tuple)):
-        batch = batch[0] if batch else None
-    if not isinstance(batch, Tensor) or batch.dim() < 2:
-        return None
-    return int(batch.shape[0]), int(batch.shape[1]) - 1
+        self._start, self._window_tokens, self._window_steps = Mark.now(device), 0, 0
 
 
 def _whole_model_params(pl_module: L.LightningModule) -> int | None:

@@ -41,6 +41,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from lit_titan.errors import UserError
+
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 PARTIAL_SUFFIX = ".partial"
 DAMAGED_SUFFIX = ".damaged"
@@ -52,7 +54,7 @@ CHECKSUM_PARTS = "checksums"  # per-rank records under a .partial save, merged i
 _CHUNK = 16 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that must not be loaded; the message says why and what to use instead."""
 
 

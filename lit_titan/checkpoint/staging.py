@@ -5,8 +5,9 @@ background thread writes it. That copy is all the training loop waits for, so it
 copy at memory bandwidth: no allocation after the first save (fresh CPU memory costs page faults,
 fresh pinned memory costs ~0.5 s per GB to register), and on CUDA device-to-host copies into
 *pinned* buffers issued ``non_blocking`` and waited for once (unpinned copies are synchronous and
-~30x slower). Measured on one H100 for a 23 GB state (issue 23): 0.45 s with these buffers,
-16 s with a plain ``.to("cpu")``, 32 s with DCP's ``BlockingAsyncStager`` (a new copy per save).
+~30x slower). At 8B scale that is a fraction of a second per save against seconds to tens of
+seconds for a plain ``.to("cpu")`` or DCP's ``BlockingAsyncStager`` (a new copy per save):
+docs/benchmarks.md, "Figures quoted in code before".
 
 Why not DCP's own stager: ``DefaultStager`` (pinned, cached) is the intended tool, but on torch
 2.11 its second use fails (``KeyError: <class 'type'>`` in ``_state_dict_stager``'s deepcopy), and

@@ -70,7 +70,7 @@ from lit_titan.checkpoint.layout import (
     write_checksums,
 )
 from lit_titan.checkpoint.staging import PinnedStager, local_bytes, local_tensors
-from lit_titan.errors import NonFiniteError, is_peer_failure
+from lit_titan.errors import NonFiniteError, is_peer_failure, one_line
 
 WriteHook = Callable[[Path], None]
 # DCP raises CheckpointException, a BaseException (not an Exception) subclass, for a failed write.
@@ -207,7 +207,8 @@ class CheckpointWriter:
                 error = disk.preflight_error(directory, disk.checkpoint_disk_bytes(total, count, world_size), total,
                                              world_size, self.keep_last, every_n_steps, n_saves)
             except OSError as err:
-                error = f"cannot check free space for checkpoints in {directory}: {_one_line(err)}; set run_dir"
+                error = (f"cannot check free space for checkpoints in {directory}: {one_line(err, with_type=True)}; "
+                         "set run_dir")
         self._agree(error, rank=rank)
 
     # ---- save -----------------------------------------------------------------------------------
@@ -338,19 +339,19 @@ class CheckpointWriter:
         # torch.save's RuntimeError on a full disk carries no errno)
         disk_full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
             not isinstance(cause, OSError) and free_bytes is not None and free_bytes < need)
+        failed = f"checkpoint {final.name} {what}{where} ({one_line(cause, with_type=True)})"
         if not disk_full:
-            return f"checkpoint {final.name} {what}{where} ({_one_line(cause)}); {kept}"
-        return (f"checkpoint {final.name} {what}{where} ({_one_line(cause)}); it needs {disk.fmt(need)}, {free}; "
-                f"{kept}; {disk.SETTINGS_HINT}")
+            return f"{failed}; {kept}"
+        return f"{failed}; it needs {disk.fmt(need)}, {free}; {kept}; {disk.SETTINGS_HINT}"
 
     @staticmethod
     def _stage_failure(err: BaseException, final: Path, mine: int, rank: int) -> str:
         """One line for a failed copy into host memory: nothing was written, the disk is not the cause."""
         previous = published(final.parent)
         kept = f"the previous complete checkpoint {previous[-1].name} is kept" if previous else "no earlier checkpoint"
-        return (f"checkpoint {final.name} could not be staged on rank {rank} ({_one_line(err)}); its copy of the "
-                f"state needs {disk.fmt(mine)} of host memory; {kept}; free host memory on that node or set "
-                "checkpoint.async_save=false (writes from the live state, no copy)")
+        return (f"checkpoint {final.name} could not be staged on rank {rank} ({one_line(err, with_type=True)}); "
+                f"its copy of the state needs {disk.fmt(mine)} of host memory; {kept}; free host memory on that node "
+                "or set checkpoint.async_save=false (writes from the live state, no copy)")
 
     def _run_hooks(self, staging: Path) -> None:
         for hook in self.on_write_started:
@@ -384,11 +385,6 @@ def _root_cause(err: BaseException) -> tuple[int | None, BaseException]:
         if isinstance(cause, BaseException):
             return rank, cause
     return None, err
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _fsync_dir(path: Path) -> None:
@@ -451,7 +447,7 @@ def load_sharded(model: nn.Module, optimizers: list[torch.optim.Optimizer], ckpt
         set_optimizer_state_dict,
     )
 
-    from lit_titan.optim import keep_kernel_choice
+    from lit_titan.optim.build import keep_kernel_choice
 
     validate(ckpt)  # cheap checks; the checksums were verified once, before the processes started
     model_state = {"state_dict": get_model_state_dict(model)}
@@ -481,6 +477,7 @@ def _load(dcp: Any, state: dict[str, Any], ckpt: Path) -> None:
         if isinstance(cause, CheckpointError):
             raise CheckpointError(str(cause)) from None
         if isinstance(cause, ValueError) and "mismatch" in str(cause):  # an older checkpoint: no recorded config
-            raise CheckpointError(f"{ckpt} was saved for another model ({_one_line(cause)}); resume with the model "
-                                  "config it was trained with, or start a new run_dir without resume") from None
+            raise CheckpointError(f"{ckpt} was saved for another model ({one_line(cause, with_type=True)}); "
+                                  "resume with the model config it was trained with, or start a new run_dir "
+                                  "without resume") from None
         raise

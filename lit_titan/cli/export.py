@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lit_titan.config import ConfigError
+from lit_titan.errors import ConfigError, UserError
 from lit_titan.models.init import canonical_name
 from lit_titan.models.llama3 import ModelArgs
 from lit_titan.models.llama3 import hf
@@ -39,7 +39,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K
           "GIB": 2**30, "TIB": 2**40}
 
 
-class ExportError(ValueError):
+class ExportError(UserError):
     """Input the export cannot use; the message names the fix."""
 
 

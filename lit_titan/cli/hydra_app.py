@@ -34,7 +34,7 @@ from lit_titan.config.compose import RUN_DIR_ENV
 from lit_titan.config.inputs import check_inputs, check_run_dir
 from lit_titan.config.schema_check import compose_error_line
 from lit_titan.config.spec import world_size
-from lit_titan.errors import ConfigError
+from lit_titan.errors import ConfigError, one_line
 
 CONFIG_NAME = "train"
 SUBMITIT_LAUNCHERS = ("submitit_local", "submitit_slurm")
@@ -110,11 +110,11 @@ def write_record(cfg: DictConfig, hc: Any, subdir: str) -> None:
     """Hydra's record of a job (``<output_dir>/<subdir>/{config,hydra,overrides}.yaml``), credentials redacted.
 
     The files Hydra's ``run_job`` would write, from the same objects, with the credentials as ``***``
-    (lit_titan/redact.py) and readable by the user only (they name data paths and endpoints).
+    (lit_titan/observe/redact.py) and readable by the user only (they name data paths and endpoints).
     """
     from hydra.types import RunMode
 
-    from lit_titan.redact import private_dir, redact, secrets_of, write_private
+    from lit_titan.observe.redact import private_dir, redact, secrets_of, write_private
 
     task_overrides = list(hc.overrides.task)
     secrets = secrets_of(cfg, task_overrides)
@@ -162,7 +162,7 @@ def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | No
         except Exception as err:  # noqa: BLE001 - handed back to run_app, raised there
             _outcome["error"] = err
         return _outcome.get("summary", {})
-    from lit_titan.redact import redact, secrets_of
+    from lit_titan.observe.redact import redact, secrets_of
 
     shown = redact(list(hc.overrides.task), secrets_of(cfg))
     print(f"lit-titan: sweep job {hc.job.num}: {' '.join(shown)} -> {cfg.run_dir}", flush=True)
@@ -373,11 +373,8 @@ class _one_line_errors:
 
 
 def _flat(err: BaseException) -> str:
-    return " ".join(f"{err} {err.__cause__ or ''}".split())
-
-
-def _override_of(overrides: list[str], key: str) -> str:
-    return next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), key)
+    """Hydra's error and its cause (where Hydra puts the override it could not parse) on one line."""
+    return one_line(f"{err} {err.__cause__ or ''}")
 
 
 def _is_hydra_key(key: str) -> bool:

@@ -1,7 +1,7 @@
 """``lit-titan preflight``: the training job's layout, pre-flight diagnostics only.
 
-The diagnostics and their callback live in ``lit_titan.callbacks.preflight`` (training and the
-config check use them); this module is only the command, which runs ``lit_titan.train``.
+The diagnostics live in ``lit_titan.observe.diagnostics`` and their callback in
+``lit_titan.callbacks.preflight`` (training and the config check use them); this module is only the command, which runs ``lit_titan.train``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ def main(argv: list[str] | None = None) -> None:
     """
     import sys
 
-    from lit_titan.callbacks.preflight import PreflightFinished as Finished
     from lit_titan.cli.entry import run_entry_point
     from lit_titan.cli.train import main as train_main
     from lit_titan.cli.train import user_errors
+    from lit_titan.observe.diagnostics import PreflightFinished as Finished
 
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = ["preflight.enabled=true", "preflight.only=true", "checkpoint.enabled=false"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lit_titan.errors import ConfigError
+from lit_titan.errors import ConfigError, one_line
 
 BINARY_PROBE_BYTES = 8192  # a text document has no NUL byte in its first 8 KiB; a binary file almost always does
 
@@ -130,10 +130,10 @@ def check_tokenizer_file(path: Any, model_vocab_size: int | None) -> None:
     try:
         tokenizer = HFTokenizer(file)
     except ValueError as err:  # loads, but has no end-of-text token: its own message names the fix
-        raise ConfigError(f"data.tokenizer.path={path}: {_one_line(err)}") from None
+        raise ConfigError(f"data.tokenizer.path={path}: {one_line(err)}") from None
     except Exception as err:  # noqa: BLE001 - the tokenizers library raises its own Exception for a bad file
         raise ConfigError(f"data.tokenizer.path={path}: not a tokenizer.json the tokenizers library can load "
-                          f"({_one_line(err)[:160]}); point it at a Hugging Face tokenizer.json") from None
+                          f"({one_line(err)[:160]}); point it at a Hugging Face tokenizer.json") from None
     if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
         raise ConfigError(f"data.tokenizer.path={path}: its vocabulary ({tokenizer.vocab_size} tokens) is larger "
                           f"than model.vocab_size={model_vocab_size}; use a model with model.vocab_size>="
@@ -155,7 +155,7 @@ def check_documents(cfg: DictConfig, *, one_batch: bool = True) -> None:
     try:
         corpus = text_corpus(root, data.get("max_bytes"))
     except (ValueError, OSError) as err:  # no documents, or only empty ones
-        text = _one_line(err)
+        text = one_line(err)
         what = ("no .txt/.jsonl documents there" if text.startswith("No documents") else
                 "every .txt/.jsonl document there is empty" if "are empty" in text else text)
         raise ConfigError(f"data.path={data.path}: {what}; point data.path at a directory (or file) of non-empty "
@@ -175,7 +175,7 @@ def check_documents(cfg: DictConfig, *, one_batch: bool = True) -> None:
                 for _ in read_documents(f):
                     pass
     except ValueError as err:
-        raise ConfigError(f"data.path={data.path}: {_one_line(err)}") from None
+        raise ConfigError(f"data.path={data.path}: {one_line(err)}") from None
     if not one_batch:
         return
     # Upper bound on the tokens: a byte-level BPE token covers >= 1 byte, plus one EOS per document
@@ -203,10 +203,6 @@ def _check_prepared(setting: str, path: Any) -> None:
     if not (root / "manifest.json").is_file():
         raise ConfigError(f"{setting}={path}: no manifest.json, so not a prepared directory; run `lit-titan "
                           f"prepare data=text data.path=DOCS out={path}` first")
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())
 
 
 __all__ = ["check_inputs", "check_run_dir", "check_float8_hardware", "check_data", "check_documents",

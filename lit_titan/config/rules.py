@@ -36,7 +36,7 @@ def targets(cfg: DictConfig) -> None:
 
 
 def loss_chunks(cfg: DictConfig, args: ModelArgs) -> None:
-    from lit_titan.loss import resolve_chunk_tokens
+    from lit_titan.models.loss import resolve_chunk_tokens
 
     try:
         resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
@@ -74,7 +74,7 @@ def hf_weights_match(cfg: DictConfig, args: ModelArgs) -> None:
 
 
 def optimizer(cfg: DictConfig) -> None:
-    from lit_titan.optim import check_optim
+    from lit_titan.optim.build import check_optim
 
     try:
         check_optim(str(cfg.optim.get("name", "adamw")), cfg.optim.betas)
@@ -104,7 +104,7 @@ def fault_drill(cfg: DictConfig) -> None:
 
 
 def preflight(cfg: DictConfig) -> None:
-    from lit_titan.callbacks.preflight import check_config
+    from lit_titan.observe.diagnostics import check_config
 
     check_config(cfg.get("preflight"), cfg.get("fault"), world_size(cfg))
 

@@ -102,7 +102,7 @@ class ModelSchema:  # conf/model/*.yaml
     tie_embeddings: Optional[bool] = key()
     attention: Optional[str] = key(choices=ATTENTIONS)
     init_from_hf: Optional[str] = key()
-    # issue 27 (megascale branch), learned ahead of the merge from its conf/model/*.yaml:
+    # architecture variants (conf/model/*.yaml):
     parallel_block: Optional[bool] = key()
     sliding_window: Optional[int] = key(ge=1)
     window_pattern: Optional[int] = key(ge=1)
@@ -147,7 +147,7 @@ class DataSchema:  # conf/data/*.yaml
 
 @dataclass
 class OptimSchema:  # conf/optim/*.yaml
-    name: str = key(choices=OPTIMIZERS)  # issue 27: adamw | lamb
+    name: str = key(choices=OPTIMIZERS)  # adamw | lamb
     lr: float = key(gt=0)
     min_lr_ratio: float = key(ge=0, le=1)
     betas: List[float] = key(check=lambda v: None if len(v) == 2 and all(0 <= b < 1 for b in v)
@@ -234,13 +234,13 @@ class FaultSchema:
     save_error: Optional[str] = key(check=_errno_name)
     stage_error: Optional[str] = key(check=_errno_name)
     pause: bool = key()
-    slow_rank: Optional[int] = key(ge=0)  # issue 27's pre-flight drill
+    slow_rank: Optional[int] = key(ge=0)  # the pre-flight drill
     slow_factor: float = key(gt=0)
     slow_link: Optional[str] = key(choices=("intra_node", "inter_node", "pp", "dp_replicate", "dp_shard", "cp", "tp"))
 
 
 @dataclass
-class PreflightSchema:  # issue 27: pre-flight diagnostics (lit_titan/callbacks/preflight.py)
+class PreflightSchema:  # pre-flight diagnostics (lit_titan/observe/diagnostics.py)
     enabled: bool = key()
     action: str = key(choices=("warn", "stop"))
     threshold: float = key(gt=0, le=1)
@@ -386,7 +386,7 @@ TARGET_SCHEMAS: dict[str, type] = {
     "lit_titan.callbacks.Timeline": TimelineSchema,
     "lit_titan.callbacks.Watchdog": WatchdogSchema,
     "lightning.pytorch.loggers.CSVLogger": CSVLoggerSchema,
-    "lit_titan.csv_logger.RunDirCSVLogger": CSVLoggerSchema,  # issue 26 (firsthour branch): conf/logger/csv.yaml
+    "lit_titan.observe.csv_logger.RunDirCSVLogger": CSVLoggerSchema,  # conf/logger/csv.yaml
     "lightning.pytorch.loggers.TensorBoardLogger": TensorBoardLoggerSchema,
     "lightning.pytorch.loggers.WandbLogger": WandbLoggerSchema,
     "lightning.pytorch.profilers.SimpleProfiler": LightningProfilerSchema,

@@ -20,8 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
-from lit_titan.errors import ConfigError
 from lit_titan.config.schema import TARGET_SCHEMAS, TrainSchema
+from lit_titan.errors import ConfigError, one_line
 
 TARGET_GROUPS = ("logger", "callbacks")
 
@@ -51,7 +51,7 @@ def resolved(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
     except InterpolationResolutionError as err:
-        raise ConfigError(f"{err.full_key}: {_one_line(err.msg)}; fix the ${{...}} reference or set "
+        raise ConfigError(f"{err.full_key}: {one_line(err.msg)}; fix the ${{...}} reference or set "
                           f"{err.full_key} to a value") from None
 
 
@@ -224,7 +224,7 @@ def _signature_keys(target: str, where: str) -> set[str] | None:
     try:
         obj = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(f"{where}._target_={target}: cannot be imported ({_one_line(str(err))}); "
+        raise ConfigError(f"{where}._target_={target}: cannot be imported ({one_line(str(err))}); "
                           f"give a full dotted path package.module.Class") from None
     params = inspect.signature(obj).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
@@ -304,10 +304,6 @@ def _show(value: Any) -> str:
 
 def _num(bound: float) -> str:
     return str(int(bound)) if float(bound).is_integer() else str(bound)
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 __all__ = ["check_schema", "check_groups", "check_rules", "check_target_node", "field_types", "field_rule", "rule_problem"]

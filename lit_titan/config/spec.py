@@ -8,7 +8,6 @@ re-deriving them from ``cfg``.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.config import rules
 from lit_titan.config.schema_check import check_schema
-from lit_titan.errors import ConfigError
+from lit_titan.errors import ConfigError, keyed_line
 
 # The model and strategy modules import torch and Lightning (seconds): imported where a config is
 # validated, so `--help` and the Hydra app's own displays stay fast.
@@ -87,17 +86,6 @@ def _build(cfg: DictConfig) -> JobSpec:
         pipeline.validate(pp=dims.pp, n_units=args.n_layers + 2, local_batch=batch.micro)
     return JobSpec(model=args, dims=dims, batch=batch, pipeline=pipeline, seq_len=int(cfg.data.seq_len),
                    precision=str(cfg.precision))
-
-
-_KEYED = re.compile(r"^(?P<kv>[A-Za-z_][\w.\[\]]*=(?:\[[^\]]*\]|\{[^}]*\}|'[^']*'|\S+?))(?P<colon>:?) "
-                    r"(?P<rest>.*)$", re.S)
-
-
-def keyed_line(message: str) -> str:
-    """``key=value: what is wrong; what to do``: messages raised deeper down (ParallelDims, the model's
-    arguments, the profiler's windows) that start ``key=value must ...`` get the colon of that form."""
-    m = _KEYED.match(message)
-    return f"{m['kv']}: {m['rest']}" if m and not m["colon"] else message
 
 
 # ---- the pieces of a JobSpec, each from the config's keys (also what the planner's search calls) ---------

@@ -38,10 +38,6 @@ class Corpus:
             h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}\n".encode())
         return h.hexdigest()[:16]
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.files)
-
     def iter_texts(self) -> Iterator[str]:
         """Yield non-empty documents in a fixed order."""
         for f in self.files:

@@ -12,7 +12,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_titan.log_cadence import forget_logged, is_logging_step
+from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 
 
 class DataProgress(L.Callback):

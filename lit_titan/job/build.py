@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lit_titan.redact import secrets_of
+from lit_titan.observe.redact import secrets_of
 
 if TYPE_CHECKING:
     from lit_titan.config import JobSpec
@@ -45,7 +45,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
     """
     from lightning.pytorch.loggers import CSVLogger
 
-    from lit_titan.csv_logger import RunDirCSVLogger
+    from lit_titan.observe.csv_logger import RunDirCSVLogger
 
     loggers: list = []
     credentials_in_argv = bool(secrets_of(sys.argv[1:]))
@@ -118,7 +118,7 @@ def build_callbacks(cfg: DictConfig, run_dir: Path, run_keys: dict[str, Any], ex
     configured = [instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     all_callbacks = [summary, DataProgress(), *configured, *extra]
     if (cfg.get("preflight") or {}).get("enabled"):  # first: it may end the job before the others act
-        from lit_titan.callbacks.throughput import peak_flops
+        from lit_titan.observe.throughput import peak_flops
         from lit_titan.callbacks.preflight import Preflight
 
         peak = peak_flops(OmegaConf.to_container(cfg.cluster, resolve=True), str(cfg.precision)) / 1e12

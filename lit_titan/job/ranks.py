@@ -11,8 +11,7 @@ import sys
 import time
 import tempfile
 from pathlib import Path
-
-from lit_titan.errors import is_peer_failure
+from lit_titan.errors import error_line, is_peer_failure, one_line
 
 QUIET_RANK_EXIT_DELAY_S = 5.0  # see report_user_error
 
@@ -84,7 +83,7 @@ def report_rank_failure(err: BaseException) -> Path:
         log_dir.mkdir(parents=True, exist_ok=True)
         path = log_dir / f"rank-{rank}-error.txt"
         text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        from lit_titan.redact import write_private
+        from lit_titan.observe.redact import write_private
 
         write_private(path, scrub(text))  # a traceback may quote the config: the user's only, no credentials
         where = f"full traceback in {path}"
@@ -94,18 +93,18 @@ def report_rank_failure(err: BaseException) -> Path:
     if is_peer_failure(err) and _another_rank_reported(log_dir, rank):
         return path  # this rank only lost its peer: the first cause has its own line
     summary = one_line(scrub(f"{type(err).__name__}: {err}"))[:300]
-    print(f"lit-titan: error: rank {rank} failed: {summary}; {where}", file=sys.stderr, flush=True)
+    print(error_line(f"rank {rank} failed: {summary}; {where}"), file=sys.stderr, flush=True)
     return path
 
 
 def report_peer_failure() -> None:
-    """One line when this rank failed only because a peer's process ended (``lit_titan.peer_exit``).
+    """One line when this rank failed only because a peer's process ended (``lit_titan.observe.peer_exit``).
 
     Printed by rank 0 (or, in a two-rank job, by the survivor of rank 0): under Lightning's launcher
     rank 0 holds the other ranks' processes and names the rank and the signal. Quiet when the peer
     ended on an error of its own, which it reported in its own line.
     """
-    from lit_titan import peer_exit
+    from lit_titan.observe import peer_exit
 
     rank = peer_exit.this_rank()
     run_dir = os.environ.get("LIT_TITAN_RUN_DIR")
@@ -115,9 +114,9 @@ def report_peer_failure() -> None:
         return  # the rank that failed in Python printed its own line (report_rank_failure)
     if rank != 0 and not (peer_exit.world_size() == 2 and not ended):
         return  # rank 0 says it (a survivor of a two-rank job whose peer was rank 0 says it too)
-    print(f"lit-titan: error: {peer_exit.describe(ended)}{peer_exit.checkpoints_state(run_dir)}; continue with "
-          f"resume=auto (torchrun --max-restarts restarts it by itself; HYDRA_FULL_ERROR=1 shows this rank's "
-          f"traceback)", file=sys.stderr, flush=True)
+    print(error_line(f"{peer_exit.describe(ended)}{peer_exit.checkpoints_state(run_dir)}; continue with "
+                     f"resume=auto (torchrun --max-restarts restarts it by itself; HYDRA_FULL_ERROR=1 shows this "
+                     f"rank's traceback)"), file=sys.stderr, flush=True)
 
 
 def _another_rank_reported(log_dir: Path, rank: int, wait_s: float = 3.0) -> bool:
@@ -147,25 +146,20 @@ def report_user_error(err: BaseException) -> None:
         # The error came before any expensive work, so the wait costs nothing else.
         time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return
-    print(f"lit-titan: error: {one_line(scrub(str(err)))}", file=sys.stderr, flush=True)
+    print(error_line(scrub(str(err))), file=sys.stderr, flush=True)
 
 
 def scrub(text: str) -> str:
-    """``text`` with the credentials of this command line (``sys.argv``) as ``***`` (lit_titan/redact.py).
+    """``text`` with the credentials of this command line (``sys.argv``) as ``***`` (lit_titan/observe/redact.py).
 
     Error lines quote the override at fault, and they end up in job logs.
     """
-    from lit_titan.redact import redact, secrets_of
+    from lit_titan.observe.redact import redact, secrets_of
 
     try:
         return redact(text, secrets_of(sys.argv[1:]))
     except Exception:  # noqa: BLE001 - a line that cannot be scrubbed is still printed: the error matters more
         return text
-
-
-def one_line(err: BaseException | str) -> str:
-    """A message as one line: its lines joined with '; ' (a terminal or a log grep sees one line per error)."""
-    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
 
 def is_launcher_rank_zero() -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.job.ranks import is_launcher_rank_zero
-from lit_titan.redact import redact, secrets_of
+from lit_titan.observe.redact import redact, secrets_of
 
 __all__ = ["archive_metrics", "continue_command", "resolve_resume"]
 

@@ -18,7 +18,7 @@ from lit_titan.job.build import build_callbacks, build_datamodule, build_loggers
     instantiate
 from lit_titan.job.ranks import is_launcher_rank_zero
 from lit_titan.job.resume import archive_metrics, resolve_resume
-from lit_titan.redact import redact, write_private
+from lit_titan.observe.redact import redact, write_private
 
 __all__ = ["resolve_run_dir", "train", "with_flavor"]
 

@@ -1,5 +1,7 @@
-"""Seeing inside a run: step phases, hang dumps, and the run report (``lit-titan report``)."""
+"""Seeing inside a run, and what a run may write: step phases, log cadence, throughput and MFU maths,
+pre-flight diagnostics, hang dumps, the peer-exit line, the CSV logger, credential redaction.
 
-from lit_titan.observe.phases import PHASES, PhaseClock, StepTimes, phase
-
-__all__ = ["PHASES", "PhaseClock", "StepTimes", "phase"]
+Import the module that holds a name (``lit_titan.observe.phases``, ...): this file re-exports
+nothing, so importing one piece (``redact``, which ``python -m lit_titan.train --help`` needs)
+does not import torch through another.
+"""

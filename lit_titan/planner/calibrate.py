@@ -87,8 +87,8 @@ def measured(run_dir: str | Path) -> dict[str, Any]:
 
 def _setup(cfg) -> dict[str, Any]:
     """The layout a run's (or plan's) config describes, in closed form (no meta-model build)."""
-    from lit_titan.callbacks.throughput import count_params, flops_per_token
     from lit_titan.config.spec import batch_layout, model_args, parallel_dims, pipeline_config
+    from lit_titan.models.llama3.flops import count_params, flops_per_token
     from lit_titan.planner.analytic import analytic_layout
 
     args, dims = model_args(cfg), parallel_dims(cfg)
@@ -139,7 +139,7 @@ def predict_memory(cfg) -> int:
 
 
 def _loss_chunk(cfg, args) -> int:
-    from lit_titan.loss import resolve_chunk_tokens
+    from lit_titan.models.loss import resolve_chunk_tokens
 
     return resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
 

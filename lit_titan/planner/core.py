@@ -59,8 +59,8 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
                        eff: estimate.Efficiencies | None = None, *, schema_checked: bool = False) -> dict[str, Any]:
     """The one-layout plan of ``cfg``; ``eff``: the step-time model's efficiencies (a calibration);
     ``schema_checked``: ``cfg`` came from ``compose(check=True)``."""
-    from lit_titan.callbacks.throughput import flops_per_token
     from lit_titan.config.spec import model_args, parallel_dims, world_size
+    from lit_titan.models.llama3.flops import flops_per_token
     from lit_titan.planner.build import build_layout
 
     t0 = time.perf_counter()
@@ -82,7 +82,7 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     _checks(cfg, args, dims, reasons, schema_checked)
     callbacks = _instantiate_callbacks(cfg, reasons)
     seq_len = int(cfg.data.seq_len)
-    from lit_titan.callbacks.throughput import count_params
+    from lit_titan.models.llama3.flops import count_params
 
     plan["params_total"] = count_params(args)
     plan["flops_per_token"] = flops_per_token(args, seq_len, num_params=plan["params_total"])
@@ -113,7 +113,7 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     grad_reduce_scatter = str(p.get("grad_reduce_scatter", "every_microbatch"))
 
     # ---- memory (measured states + estimated activations and buffers), estimate.rank_memory ------
-    from lit_titan.loss import resolve_chunk_tokens
+    from lit_titan.models.loss import resolve_chunk_tokens
 
     loss_chunk = resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
     mem = estimate.rank_memory(args, dims, layout, precision=precision, seq_len=seq_len, micro_batch=micro,
@@ -201,12 +201,12 @@ def hbm_gib(cluster: dict[str, Any]) -> tuple[float | None, str | None]:
 
 
 def _optimizer_implementation(cfg: DictConfig, cluster: dict[str, Any], layout) -> str:
-    """The AdamW kernel training will build (lit_titan.optim.adamw_implementation) for the profile's device."""
+    """The AdamW kernel training will build (lit_titan.optim.build.adamw_implementation) for the profile's device."""
     from types import SimpleNamespace
 
     import torch
 
-    from lit_titan.optim import adamw_implementation
+    from lit_titan.optim.build import adamw_implementation
 
     on_gpu = cluster.get("accelerator") == "gpu" and not cfg.parallel.get("cpu_offload", False)
     param = SimpleNamespace(device=torch.device("cuda" if on_gpu else "cpu"), dtype=layout.param_dtype)

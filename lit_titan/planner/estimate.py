@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from lit_titan.callbacks.throughput import peak_flops  # noqa: F401 - also this module's API
 from lit_titan.data.batch_layout import BatchLayout
+from lit_titan.observe.throughput import peak_flops  # noqa: F401 - also this module's API
 
 GIB = 1024**3
 
@@ -33,8 +33,7 @@ HBM_EFFICIENCY = 0.8  # achievable fraction of HBM bandwidth for a streaming ele
 # torch's foreach AdamW (torch/optim/adam.py, _multi_tensor_adam, no capturable) runs a kernel per op:
 # param *= 1-lr*wd (2), exp_avg.lerp_(grad) (3), exp_avg_sq *= beta2 (2), addcmul_(grad, grad) (3),
 # sqrt (2), div_ (2), add_ eps (2), param.addcdiv_(exp_avg, denom) (4) = 20. At 1.92B fp32 parameters on
-# an H100 (3.35 TB/s x 0.8) that is 20 vs 57 ms: 37 ms apart; issue 23 measured 34 ms (lit-titan) and
-# 37 ms (bare loop) between the two kernels.
+# an H100 (3.35 TB/s x 0.8) that is 20 vs 57 ms: 37 ms apart, close to the measured gap (docs/planner.md).
 ADAMW_TENSOR_PASSES = {"fused": 7, "foreach": 20, "for_loop": 20}
 
 
@@ -155,7 +154,7 @@ def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, e
     recompute_peak = width * per_block_activation_bytes(args, s, b, t, cp, "none") if mode != "none" else 0.0
     recompute_peak += width * backward_temp_bytes(args, s, b, t, cp)  # a block's backward, recomputed or not
     embedding = act_elem * s * b * args.dim / (t * cp)
-    # The loss's tokens per rank: all of them, or one chunk at a time (loss.chunk_tokens, lit_titan/loss.py).
+    # The loss's tokens per rank: all of them, or one chunk at a time (loss.chunk_tokens, lit_titan/models/loss.py).
     loss_tokens = s * b / cp if not loss_chunk_tokens else min(loss_chunk_tokens, s * b / cp)
     loss = 12 * loss_tokens * args.vocab_size / t if has_output else 0.0
     # The loss's buffers are freed before the first block's backward recomputes it: two peaks, not one.

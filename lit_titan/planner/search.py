@@ -9,7 +9,7 @@ Enumerated: pp x dp_replicate x dp_shard x cp x tp = world, with tp dividing the
 and at most one node (its collectives are exposed on every block: across nodes they never win),
 seq_len divisible by tp (x 2cp), the global batch by dp; pipeline schedules 1F1B and Interleaved1F1B
 (2 stages per rank; GPipe holds more activations for the same bubble, the zero-bubble schedules give
-wrong gradients with FSDP2, shared/design.md); micro-batch sizes dividing the local batch (under PP:
+wrong gradients with FSDP2 resharding after forward); micro-batch sizes dividing the local batch (under PP:
 pipeline micro-batches, at least pp of them and, interleaved, a multiple of pp); activation
 checkpointing none/selective_op/full; gradient reduce-scatter every/last micro-batch when
 accumulating; Float8 on profiles whose GPUs have FP8 units (``cluster.fp8: true``).
@@ -170,8 +170,8 @@ def _capacity(cluster: dict[str, Any]) -> float | None:
 def search(cfg: DictConfig, overrides: list[str], *, eff: estimate.Efficiencies | None = None, top: int = 10,
            confirm: int = 3) -> dict[str, Any]:
     """Rank every valid layout of ``cfg``'s model on its cluster; raise ConfigError when none fits."""
-    from lit_titan.callbacks.throughput import count_params, flops_per_token
     from lit_titan.config.spec import model_args, world_size
+    from lit_titan.models.llama3.flops import count_params, flops_per_token
     from lit_titan.planner.core import _optimizer_implementation
 
     t0 = time.perf_counter()
@@ -189,7 +189,7 @@ def search(cfg: DictConfig, overrides: list[str], *, eff: estimate.Efficiencies 
     cands = enumerate_layouts(args, world=world, seq_len=seq_len, global_batch=global_batch,
                               gpus_per_node=int(cluster.get("gpus_per_node") or cluster.get("devices") or 1),
                               fp8=bool(cluster.get("fp8")))
-    from lit_titan.loss import resolve_chunk_tokens
+    from lit_titan.models.loss import resolve_chunk_tokens
 
     loss_chunk = resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
     evaluate(cands, args, cluster, precision=precision, seq_len=seq_len, global_batch=global_batch,

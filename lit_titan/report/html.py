@@ -89,7 +89,7 @@ def _link(root: Path, path: Path) -> str:
 
 
 def _preflight(root: Path, run: Run) -> str:
-    """Pre-flight verdict and per-rank figures (preflight.json, lit_titan/callbacks/preflight.py)."""
+    """Pre-flight verdict and per-rank figures (preflight.json, lit_titan/observe/diagnostics.py)."""
     pf = run.preflight or {}
     found = pf.get("found") or []
     verdict = ("<b>found</b>: " + html.escape("; ".join(found))) if found else "nothing below the threshold"

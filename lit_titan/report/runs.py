@@ -29,7 +29,7 @@ class Run:
     memory_snapshots: list[Path] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     hang_files: list[Path] = field(default_factory=list)
-    preflight: dict | None = None  # preflight.json (lit_titan/callbacks/preflight.py), when the run had one
+    preflight: dict | None = None  # preflight.json (lit_titan/observe/diagnostics.py), when the run had one
     summary: dict | None = None  # summary.json (lit_titan/callbacks/run_summary.py), once the run has ended
 
     @property
@@ -142,7 +142,7 @@ def _redacted_config(path: Path) -> str:
     """config.yaml for the page people share, credentials as ``***`` (a run written before redaction too)."""
     import yaml
 
-    from lit_titan.redact import redact
+    from lit_titan.observe.redact import redact
 
     text = path.read_text()
     try:

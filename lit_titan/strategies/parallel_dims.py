@@ -10,13 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lit_titan.errors import UserError
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError):
     """A parallel layout that cannot work; the message names the setting to change."""
 
 

@@ -23,7 +23,8 @@ from lit_titan.strategies.settings import LOOPED, SINGLE_STAGE, V_SHAPED
 from lit_titan.strategies.settings import PP_SCHEDULES as SCHEDULES
 
 # Split backward into input- and weight-gradients; with FSDP they need reshard_after_forward=False
-# inside stages (shared/design.md, trap 1), which TitanStrategy therefore always uses under PP.
+# inside stages (else one stage's gradients are wrong or missing, silently), which TitanStrategy therefore
+# always uses under PP.
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 

@@ -29,7 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from lit_titan.checkpoint import CheckpointWriter, load_sharded
-from lit_titan.log_cadence import amortise_sigterm_check, is_logging_step
+from lit_titan.observe.log_cadence import amortise_sigterm_check, is_logging_step
 from lit_titan.observe.phases import phase
 from lit_titan.strategies.context_parallel import ContextParallel
 from lit_titan.strategies.elastic import init_process_group as init_elastic_process_group
@@ -207,7 +207,7 @@ class TitanStrategy(ModelParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
         self._owns_process_group = not torch.distributed.is_initialized()
         self._setup_distributed()
-        from lit_titan import peer_exit
+        from lit_titan.observe import peer_exit
 
         peer_exit.remember(self.global_rank, self.world_size, self._launcher)  # for the line if a peer dies
         self.init_layout(self.parallel_dims, self.root_device.type)
@@ -292,7 +292,8 @@ class TitanStrategy(ModelParallelStrategy):
         if dims.pp > 1:
             model, views = self._split_pipeline(model, plan)
             # Pipeline stages run several micro-batches between forward and backward; resharding
-            # after forward gave wrong gradients with zero-bubble schedules (shared/design.md).
+            # after forward gave wrong gradients with zero-bubble schedules, silently
+            # (tests/test_pipeline.py::test_zero_bubble_schedules_match_single_process).
             fsdp_config = replace(fsdp_config, reshard_after_forward=False)
         param_dtype, _ = mixed_precision_for(precision)
         for view in views:
@@ -479,7 +480,7 @@ class TitanStrategy(ModelParallelStrategy):
         """The live sharded model state, not Lightning's CPU copy (``cpu_offload=True``).
 
         The checkpoint writer copies it once, into reused pinned buffers; a CPU copy here would be
-        a second, unpinned and synchronous one (16 s of a 23 GB save on one H100, issue 23).
+        a second, unpinned and synchronous one (seconds per save at 8B scale: docs/benchmarks.md, "Checkpoint stalls").
         """
         if not self._save_distributed_checkpoint:
             return super().lightning_module_state_dict()

@@ -17,7 +17,7 @@ RANKS_PER_NODE = 2
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    from lit_titan.callbacks.preflight import PreflightError, PreflightFinished
+    from lit_titan.observe.diagnostics import PreflightError, PreflightFinished
     from lit_titan.train import main as train_main
 
     rank = int(os.environ["RANK"])

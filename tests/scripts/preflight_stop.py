@@ -11,7 +11,7 @@ from typing import Any
 
 
 def main(argv: list[str]) -> dict[str, Any]:
-    from lit_titan.callbacks.preflight import PreflightError
+    from lit_titan.observe.diagnostics import PreflightError
     from lit_titan.train import main as train_main
 
     try:

@@ -1,4 +1,4 @@
-"""Hugging Face Llama interop (issue 7): export to / start from a HF ``LlamaForCausalLM`` directory.
+"""Hugging Face Llama interop: export to / start from a HF ``LlamaForCausalLM`` directory.
 
 Two differences between our Llama and HF's besides the names:
 - rotary embeddings: ours rotate consecutive pairs of each head's dims (Meta's complex layout),

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lit_titan.loss import at_least_fp32, chunked_cross_entropy
+from lit_titan.models.loss import at_least_fp32, chunked_cross_entropy
 from lit_titan.models.llama3.attention import attention, attention_mask, window_mask
 from lit_titan.models.init import InitFn, canonical_name, normal, ones, seeded_init_
 from lit_titan.models.llama3.args import ModelArgs, RopeScaling

@@ -16,7 +16,7 @@ OPTIMIZERS = ("adamw", "lamb")
 
 @dataclass(frozen=True)
 class OptimConfig:
-    # adamw (torch.optim.AdamW) | lamb (lit_titan.lamb.Lamb: trust ratio from whole-parameter norms)
+    # adamw (torch.optim.AdamW) | lamb (lit_titan.optim.lamb.Lamb: trust ratio from whole-parameter norms)
     name: str = "adamw"
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
@@ -83,8 +83,8 @@ def adamw_implementation(params: Iterable[Any], *, fused: bool | None = None, fo
     Explicit settings are passed to torch unchanged: ``fused=True`` or ``foreach=True`` wins, and an
     explicit ``False`` with the other unset leaves torch's per-tensor loop. With neither set: the fused
     kernel when every parameter (a DTensor's local piece included) is a floating-point tensor on CUDA.
-    torch would pick foreach there, one kernel per arithmetic op; on one H100 (issue 23, Llama 3.1 8B
-    widths with 4 layers) fused AdamW took lit-titan from 35,882 to 42,112 tokens/s. Anywhere else:
+    torch would pick foreach there, one kernel per arithmetic op, which reads and writes the optimizer
+    state about three times as often (the measured tokens/s gain: docs/benchmarks.md). Anywhere else:
     torch's own default, foreach on its other accelerators and the per-tensor loop on CPU, so CPU
     runs and their parity are unchanged. ``params`` may be anything with ``device`` and ``dtype`` (or
     ``to_local()`` returning such), so the planner can ask without building tensors.
@@ -106,7 +106,7 @@ def adamw_implementation(params: Iterable[Any], *, fused: bool | None = None, fo
 
 def check_optim(name: str, betas: Iterable[float]) -> None:
     """ValueError naming the setting when ``optim.name`` or ``optim.betas`` cannot run."""
-    from lit_titan.lamb import check_betas
+    from lit_titan.optim.lamb import check_betas
 
     if name not in OPTIMIZERS:
         raise ValueError(f"optim.name={name!r} is not an optimizer here; use optim=adamw or optim=lamb")
@@ -117,7 +117,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     check_optim(cfg.name, cfg.betas)
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "lamb":
-        from lit_titan.lamb import Lamb
+        from lit_titan.optim.lamb import Lamb
 
         return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     impl = adamw_implementation((p for g in groups for p in g["params"]), fused=cfg.fused, foreach=cfg.foreach)

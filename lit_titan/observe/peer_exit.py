@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lit_titan.errors import PEER_GONE, is_peer_failure  # noqa: F401 - re-exported
-
 _job: dict[str, Any] = {"rank": None, "world_size": None, "launcher": None}
+
+
 def remember(rank: int, world_size: int, launcher: Any) -> None:
     """Called by ``TitanStrategy`` once its process group is up: the facts the teardown may erase."""
     _job.update(rank=rank, world_size=world_size, launcher=launcher)
