@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from lit_titan import export
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3 import hf
+from paths import ROOT
 
 TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512"]
 ARGS = get_flavor("llama3_debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512)
@@ -70,7 +71,7 @@ def test_model_code_does_not_import_the_layers_above_it():
     """models/ may import models/, lit_titan.errors, lit_titan.loss (both import nothing of lit_titan) and the
     ParallelPlan type, nothing else of lit_titan."""
     allowed = ("lit_titan.models", "lit_titan.errors", "lit_titan.loss", "lit_titan.strategies.plan")
-    root = Path(__file__).parent.parent / "lit_titan" / "models"
+    root = ROOT / "lit_titan" / "models"
     bad = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

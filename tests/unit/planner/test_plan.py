@@ -12,8 +12,8 @@ import pytest
 from helpers import run_job
 
 from lit_titan.planner import REQUIRED_KEYS
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PER_RANK_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "total_bytes")
 
 

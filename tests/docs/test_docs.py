@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from lit_titan.config import compose, conf_dir
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
 GROUPS = sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
 # A reference-table row: | `key or option` | default | meaning |

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY, read_metrics, run_job
+from paths import SCRIPTS
 
-SCRIPT = Path(__file__).parent / "scripts" / "count_host_syncs.py"
+SCRIPT = SCRIPTS / "count_host_syncs.py"
 STEPS = 8
 EVERY = 4
 # Gradient accumulation 2 (two micro-batches per step), the progress bar on, and the per-step

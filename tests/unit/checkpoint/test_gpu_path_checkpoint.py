@@ -26,8 +26,8 @@ from helpers import TINY, run_cli, run_job
 from lit_titan.checkpoint import published, validate
 from lit_titan.checkpoint import disk
 from lit_titan.checkpoint.staging import PinnedStager, local_bytes
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMON = [*TINY, "seed=0", "precision=32-true"]
 _Usage = namedtuple("_Usage", "total used free")
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from helpers import run_job
+from paths import ROOT
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = ROOT / "benchmarks"
 SMOKE = ["--cpu-smoke", "--steps", "2", "--warmup", "1"]
 
 

@@ -22,7 +22,6 @@ from lit_titan.observe.phases import PHASES, PhaseClock
 
 from helpers import TINY, read_metrics, run_job
 
-REPO = Path(__file__).resolve().parents[1]
 TWO_RANKS = [*TINY, "cluster.devices=2", "parallel.dp_shard=2", "seed=0", "trainer.max_steps=6",
              "callbacks=[throughput,timeline,profiler]", "callbacks.profiler.steps=[3,4]",
              "checkpoint.every_n_steps=4", "trainer.limit_val_batches=0"]

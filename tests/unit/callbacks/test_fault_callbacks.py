@@ -25,8 +25,8 @@ from lit_titan.callbacks import WATCHDOG_EXIT_CODE, NonFiniteError, NonFiniteGua
 from lit_titan.callbacks.straggler import straggler_stats
 
 from helpers import TINY, read_metrics, run_job
+from paths import SCRIPTS
 
-SCRIPTS = Path(__file__).parent / "scripts"
 MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
 TWO_RANKS = [*TINY, "cluster.devices=2", "checkpoint.enabled=false", "seed=0"]
 

@@ -24,6 +24,7 @@ import lightning as L
 import pytest
 
 from helpers import run_job
+from paths import SCRIPTS
 import torch
 from torch import nn
 
@@ -31,7 +32,7 @@ from lit_titan import TitanStrategy
 from lit_titan.callbacks.float8 import RECIPES, Float8
 from lit_titan.models.llama3 import Transformer, get_flavor
 
-SCRIPT = Path(__file__).parent / "scripts" / "float8_dp2tp2.py"
+SCRIPT = SCRIPTS / "float8_dp2tp2.py"
 TINY_MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")

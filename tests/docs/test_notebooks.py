@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from helpers import _JOB_ENV_DROP, noise
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED = ["01_quickstart", "02_subclassing", "03_planning_a_fleet_run", "04_notebook_to_parallel"]
 CELL_TIMEOUT_S = 300

@@ -26,9 +26,8 @@ from helpers import TINY, assert_losses_match, losses, read_metrics
 
 from lit_titan.config import ConfigError, compose
 from lit_titan.planner import check_cluster, launch_command
+from paths import SCRIPTS
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).parent / "scripts"
 STEPS, EVERY, KILL_AT = 8, 3, 5
 COMMON = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "trainer.deterministic=true",
           "checkpoint.keep_last=0"]

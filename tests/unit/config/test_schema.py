@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from lit_titan.config import ConfigError, compose, conf_dir, validate
 from lit_titan.schema import TARGET_SCHEMAS, TrainSchema
 from lit_titan.schema_check import field_types, rule_problem
+from paths import ROOT
 
 GROUPS = ("model", "data", "optim", "cluster", "parallel", "callbacks", "logger", "profiler")
 LIST_GROUPS = ("callbacks", "logger")  # groups whose override is a list of options
@@ -253,7 +254,7 @@ def documented_commands() -> list[str]:
     """``python -m lit_titan.train|plan ...`` lines of README.md and docs/configuration.md (single runs)."""
     import re
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     out = []
     for doc in ("README.md", "docs/configuration.md"):
         text = (root / doc).read_text().replace("\\\n", " ")

@@ -2,7 +2,6 @@
 and the same training under TP loss parallel x FSDP and under pipeline parallelism."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +10,9 @@ import torch.nn.functional as F
 from helpers import TINY, assert_losses_match, losses, read_metrics
 from lit_titan.loss import chunked_cross_entropy, resolve_chunk_tokens
 from lit_titan.models.llama3 import Transformer, get_flavor
+from paths import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from loss_memory import loss_peak  # noqa: E402
 
 

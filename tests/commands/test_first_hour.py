@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY, noise, read_metrics, run_cli, run_job
+from paths import ROOT
 
 
 def test_noise_finds_warnings_in_python_and_lightning_formats():
@@ -233,12 +234,12 @@ README_COMMANDS = {
     "python -m lit_titan.train data=text data.path=my_texts/ trainer.max_steps=200":
         "test_two_process_run_on_own_text_with_accumulation_is_quiet_and_counts_optimizer_steps",
     "python -m lit_titan.train <notebook 04's SETTINGS + LAYOUT> run_dir=runs/to_parallel/dp2_tp2":
-        "tests/test_notebooks.py::test_notebook_runs[04_notebook_to_parallel]",
+        "tests/docs/test_notebooks.py::test_notebook_runs[04_notebook_to_parallel]",
 }
 
 
 def _first_hour_commands() -> list[str]:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     section = readme.split("## First hour", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.DOTALL)
     return [" ".join(block.replace("\\\n", " ").split()) for block in blocks]
@@ -247,7 +248,7 @@ def _first_hour_commands() -> list[str]:
 def test_readme_first_hour_commands_are_exercised():
     """Every command in README's "First hour" is one the tests run (the printed next-step lines are run by
     test_default_run_is_quiet_and_its_printed_continue_command_continues_it)."""
-    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "04_notebook_to_parallel.ipynb").read_text())
+    nb = json.loads((ROOT / "notebooks" / "04_notebook_to_parallel.ipynb").read_text())
     setup = next("".join(c["source"]) for c in nb["cells"] if "SETTINGS = [" in "".join(c["source"]))
     scope: dict = {}
     exec(setup, scope)  # the notebook's own definitions of the job it launches
@@ -260,7 +261,7 @@ def test_readme_first_hour_commands_are_exercised():
              for c in commands}
     assert named == set(README_COMMANDS), named
     for where in README_COMMANDS.values():
-        assert where.split("[")[0].split("::")[-1] in globals() or where.startswith("tests/test_notebooks.py"), where
+        assert where.split("[")[0].split("::")[-1] in globals() or where.startswith("tests/docs/test_notebooks.py"), where
 
 
 def test_csv_logger_warns_only_when_it_would_replace_metrics(tmp_path):

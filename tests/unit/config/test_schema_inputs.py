@@ -16,6 +16,7 @@ from lit_titan.config import ConfigError
 from lit_titan.train import main
 
 from helpers import TINY, run_job
+from paths import SCRIPTS
 
 ERROR = "lit-titan: error: "
 
@@ -138,7 +139,7 @@ def test_under_torchrun_only_the_first_rank_prints(tmp_path):
 
 @pytest.mark.slow
 def test_a_runtime_failure_on_one_rank_is_one_line_naming_the_rank_and_its_log(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "scripts", "rank_failure.py")
+    script = str(SCRIPTS / "rank_failure.py")
     proc = run_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script], timeout=300,
                    cwd=tmp_path)
     ours = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
