@@ -33,7 +33,7 @@ def test_noise_finds_warnings_in_python_and_lightning_formats():
 @pytest.mark.slow
 def test_every_world_case_is_read_by_the_same_matcher(worlds):
     """A case whose ranks print a warning (or traceback) line fails, naming the rank's log; a case that
-    asks for that line passes (tests/world.py). The 2-process world is the one the slow suite keeps up."""
+    asks for that line passes (tests/support/world.py). The 2-process world is the one the slow suite keeps up."""
     from world import CaseFailed
 
     line = "/x/mine.py:1: UserWarning: deliberate"

@@ -3,10 +3,10 @@
 Two torchrun agents act as two nodes (``--nnodes=2``, c10d rendezvous on 127.0.0.1, two processes
 each) and train HSDP with ``dp_replicate=2`` across the nodes and ``dp_shard=2`` inside each, to
 the losses of one process; the replicate dim is checked to run across the nodes from what every
-rank records (``tests/scripts/node_topology.py``). Killing a rank of node 1 restarts both agents,
+rank records (``tests/support/scripts/node_topology.py``). Killing a rank of node 1 restarts both agents,
 which resume from the newest checkpoint. The command ``lit-titan launch`` prints is what runs:
 the torchrun line (under ``bash -c``, as on each node) and the sbatch script (under a stand-in
-``sbatch``/``srun`` that starts the tasks here with Slurm's variables, ``tests/scripts/fake_slurm.py``).
+``sbatch``/``srun`` that starts the tasks here with Slurm's variables, ``tests/support/scripts/fake_slurm.py``).
 """
 
 from __future__ import annotations

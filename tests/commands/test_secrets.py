@@ -1,7 +1,7 @@
 """Credentials stay out of every file a run writes and of what it prints; prepare writes straight to S3.
 
 One real command line (Hydra writes its records only there) on the loopback S3 server
-(tests/s3server.py): the shards come from ``lit-titan prepare out=s3://...``, the run reads them
+(tests/support/s3server.py): the shards come from ``lit-titan prepare out=s3://...``, the run reads them
 with credentials in ``data.storage_options`` and a W&B setting holding a token, from a run_dir whose
 name needs shell quoting, and the printed continue command must round-trip through the shell.
 """

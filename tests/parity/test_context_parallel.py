@@ -26,7 +26,7 @@ def test_indivisible_sequence_is_refused():
         balanced_positions(30, 2, 0)
 
 
-# Parity with one process (tests/parity.py): gradients, the clip norm and weights, so a bug that moves
+# Parity with one process (tests/support/parity.py): gradients, the clip norm and weights, so a bug that moves
 # attention (RoPE positions, the K/V gather's backward) shows even where the losses barely move.
 CASES = ["cp2", "cp4", "cp2xdp2_accum2", "cp2xtp2", "pp2xcp2xtp2", "dp2xcp2xpp2_Interleaved1F1B"]
 

@@ -1,8 +1,8 @@
-"""The mutant suite: every planted bug in tests/mutants/ makes the parity check that targets it fail,
+"""The mutant suite: every planted bug in tests/support/mutants/ makes the parity check that targets it fail,
 by at least 10x its tolerance.
 
 One run per mutant, in the reused worlds, against the session's shared one-process reference
-(tests/parity.py). The margin is the largest error / tolerance over the kinds the parity check
+(tests/support/parity.py). The margin is the largest error / tolerance over the kinds the parity check
 compares (loss, pre-clip gradients, clip norm, post-step weights). The measured table goes to
 ``$MUTANT_TABLE`` when set (docs/testing.md, "Mutants", is that output).
 """

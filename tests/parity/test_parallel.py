@@ -1,12 +1,12 @@
 """TitanStrategy parity: every layout trains to the single-process gradients, norms, weights and losses.
 
 Each run is the training entry point (``lit_titan.train.main``) on real gloo processes of a reused
-world (tests/world.py), with tests/parity.py's dump of full pre-clip gradients, the global norm and
+world (tests/support/world.py), with tests/support/parity.py's dump of full pre-clip gradients, the global norm and
 the weights at steps 0, 4 and 7. The reference is a one-process run of the same seed and global
 batch (one per session, shared with test_pipeline.py and test_context_parallel.py), in a regime where
 bugs show: lr 1e-2 (loss 6.63 -> 5.92), clipping engaged at every step, accumulation combined with
 every parallelism. Tolerances: ``parity.TOL``, about 4x the measured noise floor (docs/testing.md,
-"Parity"); tests/test_mutants.py shows each check failing by >= 10x its tolerance on planted bugs.
+"Parity"); tests/parity/test_mutants.py shows each check failing by >= 10x its tolerance on planted bugs.
 """
 
 import pytest

@@ -64,7 +64,7 @@ def test_rank_model_keeps_original_names_and_views_share_parameters():
     assert rank_model.output is not None  # pruning a view does not touch the rank model
 
 
-# ---- parity with one process (real gloo processes, tests/parity.py) --------------------------------
+# ---- parity with one process (real gloo processes, tests/support/parity.py) --------------------------------
 # Every schedule family (single-stage, looped, V-shaped) with FSDP inside the stages and, at least once,
 # with gradient accumulation; pp2 x tp2 and a 3-D layout. Gradients, the clip norm over the stages and
 # the weights against one process (parity.TOL): a loss comparison under AdamW cannot see a pipeline

@@ -29,7 +29,7 @@ def reference(tmp_path_factory, worlds):
 @pytest.mark.parity
 def test_validation_loss_matches_single_process(layout, reference, tmp_path, worlds):
     assert len(reference) == 1 and reference[0] > 0
-    worlds.train([*COMMON, *layout], tmp_path)  # reused gloo worlds (tests/world.py), not fresh interpreters
+    worlds.train([*COMMON, *layout], tmp_path)  # reused gloo worlds (tests/support/world.py), not fresh interpreters
     got = _val_losses(tmp_path)
     assert len(got) == 1
     assert abs(got[0] - reference[0]) / reference[0] < 1e-5, (got, reference)

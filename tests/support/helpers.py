@@ -87,7 +87,7 @@ def run_cli(overrides: list[str], run_dir: Path, *, check: bool = True, timeout:
 ACTIONABLE: tuple[str, ...] = ()
 # "file.py:LINE: message" is how Python prints a warning; Lightning's format drops the category name.
 # "warn" as a word or a category (UserWarning), not inside a path, a name or a key (test_warn_x,
-# preflight.action=warn): the worlds' logs hold run directories and command lines (tests/world.py).
+# preflight.action=warn): the worlds' logs hold run directories and command lines (tests/support/world.py).
 _NOISE = re.compile(r"(?<![\w./=-])warn(ing)?s?\b|\w+Warning\b|traceback|tip:|^\S+\.py:\d+: ", re.IGNORECASE)
 
 

@@ -14,9 +14,9 @@ and rank 0 writes ``step-NNNNNN.pt`` keyed by the single-device parameter names.
 tensors are gathered over their own mesh (``full_tensor``); pipeline stages hold disjoint
 parameters, so every rank's tensors go to rank 0 over the world group.
 
-``train_case`` runs in a reused world (tests/world.py): the real entry point
+``train_case`` runs in a reused world (tests/support/world.py): the real entry point
 (``lit_titan.hydra_app.run_app`` with ``lit_titan.train.train``) with the callback added, optionally
-with a mutant (tests/mutants/) applied for the case and undone afterwards.
+with a mutant (tests/support/mutants/) applied for the case and undone afterwards.
 """
 
 from __future__ import annotations
@@ -193,14 +193,14 @@ RESUME_STEP = 4  # the reference saves a checkpoint here; resume cases continue 
 # every case's; docs/testing.md, "Parity", has the table): gradients 1.9e-5 (the zero-bubble cases;
 # 1.4e-5 elsewhere), weights 1.6e-4 (Adam's first steps turn the rounding of near-zero gradients
 # into whole lr-sized moves), clip norm 6.5e-7, loss 1.7e-7. Each tolerance is about 4x its floor;
-# every mutant (tests/mutants/) misses by >= 10x the tolerance.
+# every mutant (tests/support/mutants/) misses by >= 10x the tolerance.
 TOL = Tolerance(grads=8e-5, norm=3e-6, params=6e-4, loss=1e-6)
 
 SIX_LAYERS = ["model.n_layers=6"]
 # name -> overrides on top of PARITY. Every parallelism is combined with gradient accumulation at least once
 # (data.micro_batch_size below the per-rank batch).
 CASES: dict[str, list[str]] = {
-    # FSDP / HSDP / TP (tests/test_parallel.py)
+    # FSDP / HSDP / TP (tests/parity/test_parallel.py)
     "dp2": ["cluster.devices=2"],
     "dp2_accum2": ["cluster.devices=2", "data.micro_batch_size=2"],
     "dp4_accum2": ["cluster.devices=4", "data.micro_batch_size=1"],
@@ -208,7 +208,7 @@ CASES: dict[str, list[str]] = {
     "tp2": ["cluster.devices=2", "parallel.tp=2"],
     "dp2_tp2_accum2": ["cluster.devices=4", "parallel.tp=2", "data.micro_batch_size=2"],
     "resume_dp2": ["cluster.devices=2"],  # + resume= the reference's step-4 checkpoint
-    # pipeline (tests/test_pipeline.py): each schedule family, with and without accumulation
+    # pipeline (tests/parity/test_pipeline.py): each schedule family, with and without accumulation
     "pp2_1F1B_accum2": ["cluster.devices=2", "parallel.pp=2", "data.micro_batch_size=4"],
     "pp2xdp2_GPipe": ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=GPipe"],
     "pp2xdp2_1F1B": ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=1F1B"],
@@ -228,7 +228,7 @@ CASES: dict[str, list[str]] = {
                           "parallel.pp_schedule=DualPipeV"],
     "pp2_ZBVZeroBubble_accum2": [*SIX_LAYERS, "cluster.devices=2", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble",
                                  "data.micro_batch_size=4"],
-    # context parallel (tests/test_context_parallel.py)
+    # context parallel (tests/parity/test_context_parallel.py)
     "cp2": ["cluster.devices=2", "parallel.cp=2"],
     "cp4": ["cluster.devices=4", "parallel.cp=4"],
     "cp2xdp2_accum2": ["cluster.devices=4", "parallel.cp=2", "parallel.dp_shard=2", "data.micro_batch_size=2"],

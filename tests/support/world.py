@@ -122,7 +122,7 @@ class World:
         return CaseResult(replies[0][1], output)
 
     def _check_noise(self, case: str, allow: tuple[str, ...]) -> None:
-        from helpers import noise  # tests/ is on sys.path in the test session (not in the workers)
+        from helpers import noise  # tests/support is on sys.path (pytest's pythonpath; spawned workers inherit it)
 
         found = []
         for log in sorted(self.log_dir.glob(f"{case}-rank*.log")):

@@ -3,7 +3,7 @@
 Each mutant is a small realistic bug in the narrowest lit_titan function (or the narrowest library
 call lit_titan makes) that its code would live in. Production code has no switch for any of them:
 ``applied(name)`` patches the live objects for one case and restores them afterwards (the reused
-worlds of tests/world.py run many cases in one process). tests/test_mutants.py runs each one against
+worlds of tests/support/world.py run many cases in one process). tests/parity/test_mutants.py runs each one against
 the parity case that targets it and asserts that the parity check fails by a wide margin.
 """
 

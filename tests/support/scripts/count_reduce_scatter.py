@@ -23,7 +23,8 @@ GLOBAL_BATCH = 8
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Also called on every rank of a running world (tests/world.py): the counting wrappers are removed on return."""
+    """Also called on every rank of a running world (tests/support/world.py): the counting wrappers are removed
+    on return."""
     argv = sys.argv[1:] if argv is None else argv
     devices, micro, out = int(argv[0]), int(argv[1]), argv[2]
     mode = argv[3] if len(argv) > 3 else "every_microbatch"

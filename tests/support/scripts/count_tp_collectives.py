@@ -1,6 +1,6 @@
 """Collectives of one transformer block under TP (+ sequence parallel), sequential vs ``parallel_block``.
 
-Called on every rank of a running world (tests/world.py), TP degree = world size. For each block
+Called on every rank of a running world (tests/support/world.py), TP degree = world size. For each block
 form it applies the model's real TP plan (``apply_tensor_parallel`` with the Llama plan), runs one
 block's forward and backward under torch's ``CommDebugMode`` and returns the collective counts by
 kind, plus the largest difference between the TP block's output and the same block on one rank.

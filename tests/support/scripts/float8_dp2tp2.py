@@ -6,7 +6,7 @@ Usage: float8_dp2tp2.py OUT_JSON DEVICES [key=value ...]
   float8.<Float8 kwarg>=value (recipe, enable_fsdp_float8_all_gather, precompute_scales, emulate, float8_tp),
   model.<model arg>=value (e.g. model.parallel_block=true), optim.<OptimConfig field>=value (e.g. optim.lr=1e-2).
 Run as a script (Lightning's launcher re-runs it for the other ranks, hence the __main__ guard), or
-call ``main(argv)`` on every rank of a running world (tests/world.py): the watches it installs are
+call ``main(argv)`` on every rank of a running world (tests/support/world.py): the watches it installs are
 removed again when it returns, so the next case in the same process starts clean.
 
 With float8.float8_tp=true on CPU, gloo (which has no float8 collectives: "Invalid scalar type") is

@@ -1,6 +1,6 @@
 """A callback that records each rank's gradient storage at every micro-batch boundary.
 
-Used through the real command line: ``PYTHONPATH=tests/scripts python -m lit_titan.train ...
+Used through the real command line: ``PYTHONPATH=tests/support/scripts python -m lit_titan.train ...
 +callbacks.grad_probe._target_=grad_memory_probe.GradMemoryProbe +callbacks.grad_probe.out=DIR``;
 every rank writes ``DIR/rank<R>.json`` when training ends.
 """

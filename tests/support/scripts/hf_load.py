@@ -100,7 +100,8 @@ class Record(L.Callback):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Also called on every rank of a running world (tests/world.py); the counting wrapper is removed on return."""
+    """Also called on every rank of a running world (tests/support/world.py); the counting wrapper is removed
+    on return."""
     argv = sys.argv[1:] if argv is None else argv
     out_dir, hf_dir, devices = argv[0], argv[1], int(argv[2])
     kwargs = {}

@@ -1,6 +1,6 @@
 """A world case: train, and return the ``NonFiniteError`` line the run stopped with (None if it finished).
 
-In-process (tests/world.py): the command line's part (that line, exit code 3) is
+In-process (tests/support/world.py): the command line's part (that line, exit code 3) is
 ``test_nonfinite_error_is_one_line_and_exit_code_3``; a case that raised would tear the world down.
 """
 

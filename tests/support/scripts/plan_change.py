@@ -4,7 +4,7 @@ The embedding becomes ColwiseParallel (shard the embedding dim, weight placement
 instead of TorchTitan's RowwiseParallel (shard the vocabulary, S(0)); both are correct layouts.
 The changed plan is registered only while ``main`` runs and the stock one put back on return:
 ``main`` runs in the test's own process (plan) and on every rank of a reused world
-(tests/world.py, train), where module state outlives the case.
+(tests/support/world.py, train), where module state outlives the case.
 Usage: plan_change.py {plan|train} OUT_JSON [hydra overrides]
 """
 

@@ -1,6 +1,6 @@
 """A world case: train with ``preflight.action=stop`` and return the one-line verdict it raised.
 
-In-process (tests/world.py) rather than a command line: the exit code 2 of the command is
+In-process (tests/support/world.py) rather than a command line: the exit code 2 of the command is
 covered by ``test_lit_titan_preflight_command``; this checks a 4-rank job stops before any
 training state exists, without four fresh interpreters' imports.
 """

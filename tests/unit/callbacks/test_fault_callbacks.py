@@ -1,7 +1,7 @@
 """Failure observability: hang watchdog, straggler report, non-finite guard.
 
 The multi-process tests run real gloo jobs (no mocked torch.distributed) through
-``tests/scripts/fault_job.py``, which injects the fault with a test-only callback.
+``tests/support/scripts/fault_job.py``, which injects the fault with a test-only callback.
 """
 
 from __future__ import annotations

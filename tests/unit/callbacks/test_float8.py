@@ -57,7 +57,7 @@ def _run_script(out: Path, devices: int, *args: str) -> dict:
 
 
 def _run_in_world(worlds, out: Path, devices: int, *args: str) -> dict:
-    """The script's ``main`` on every rank of a reused gloo world (tests/world.py)."""
+    """The script's ``main`` on every rank of a reused gloo world (tests/support/world.py)."""
     worlds.run(devices, "scripts.float8_dp2tp2:main", [str(out), str(devices), *args], timeout=300)
     return json.loads(out.read_text())
 

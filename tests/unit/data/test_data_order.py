@@ -2,7 +2,7 @@
 
 Everything here runs the real loaders over real prepared shards in this process (no process
 group is needed: a data-parallel rank is given by ``dp_rank``/``dp_size``); the training-level
-parity runs are in tests/test_data_parity.py.
+parity runs are in tests/parity/test_data_parity.py.
 """
 
 from __future__ import annotations

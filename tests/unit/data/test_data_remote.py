@@ -1,4 +1,4 @@
-"""lit_titan.data.remote against a real S3-compatible server on 127.0.0.1 (tests/s3server.py)."""
+"""lit_titan.data.remote against a real S3-compatible server on 127.0.0.1 (tests/support/s3server.py)."""
 
 from __future__ import annotations
 

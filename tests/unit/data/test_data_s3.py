@@ -1,4 +1,5 @@
-"""Shards on an S3-compatible store (issue 16): the loopback server (tests/s3server.py) and the real litdata path.
+"""Shards on an S3-compatible store (issue 16): the loopback server (tests/support/s3server.py) and the real
+litdata path.
 
 Prepare -> upload -> read: every rank's batches equal the local shards' batches, the ranks of a
 node (data-parallel ranks and their TP peers, in lockstep) download about the dataset once per

@@ -1,6 +1,6 @@
 """Document masking (issue 20 item 2): block-causal attention from the document boundaries.
 
-A packed sequence gives each document the gradients it has alone (tests/test_hf_reference.py); SDPA (dense mask) and
+A packed sequence gives each document the gradients it has alone (tests/parity/test_hf_reference.py); SDPA (dense mask) and
 FlexAttention (block mask) agree; it trains the same under FSDP x TP and PP x TP (every stage gets
 the micro-batch's positions and document ids); CP and flex-on-CPU are refused with one line before
 any work."""
@@ -58,7 +58,7 @@ def _per_token_losses(model, tokens, positions=None, documents=None):
 
 
 # Packed documents against each document run alone (positions restarting and continuing), as
-# gradients against transformers: tests/test_hf_reference.py.
+# gradients against transformers: tests/parity/test_hf_reference.py.
 
 
 def test_flex_equals_sdpa_dense_mask():

@@ -1,6 +1,6 @@
 """model.parallel_block: the GPT-J/PaLM block, its halved TP collectives, parity under dp2 x tp2, pp2 and cp2.
 
-Parity is with one process of the same seed and global batch (reused gloo worlds, tests/world.py).
+Parity is with one process of the same seed and global batch (reused gloo worlds, tests/support/world.py).
 """
 
 import pytest

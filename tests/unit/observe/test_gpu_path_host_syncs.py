@@ -3,7 +3,7 @@
 (Except the non-finite guard, on by default: it decides before every update, one read of three
 numbers and, with several ranks, their all-reduce per step; counted exactly, docs/fault_tolerance.md.)
 
-Real runs of ``lit_titan.train`` with counting wrappers (tests/scripts/count_host_syncs.py) around
+Real runs of ``lit_titan.train`` with counting wrappers (tests/support/scripts/count_host_syncs.py) around
 ``Tensor.item/.cpu/.tolist/.numpy``, ``torch.cuda.synchronize``, every ``torch.distributed``
 collective not issued by the model's own parallelism, and ``LightningModule.log``. With
 ``trainer.log_every_n_steps=4``, optimizer steps 1-3 and 5-7 must count zero of each; steps 4 and 8

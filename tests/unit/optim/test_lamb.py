@@ -94,7 +94,7 @@ def test_unknown_optimizer_one_line():
         validate(compose([*TINY, "optim.name=sgd"]))
 
 
-# ---- parity with one process (real gloo worlds, tests/world.py) ------------------------------------
+# ---- parity with one process (real gloo worlds, tests/support/world.py) ------------------------------------
 STEPS = 10
 COMMON = [*TINY, "optim=lamb", "optim.warmup_steps=2", f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true"]
 LAYOUTS = {

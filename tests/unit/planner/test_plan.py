@@ -162,7 +162,7 @@ def test_launch_dry_run_prints_the_profile_command(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_plan_change_shows_in_planner_and_training(tmp_path, worlds):
     """Planner and training parallelise through the same code: swap the embedding's TP style in the
-    model plan (tests/scripts/plan_change.py) and both report the new placement; the stock planner
+    model plan (tests/support/scripts/plan_change.py) and both report the new placement; the stock planner
     still reports the old one. Training runs for real: 4 gloo processes, dp2 x tp2, in the reused
     4-process world; the planner in this process (both put the stock plan back when they return)."""
     from helpers import TINY
