@@ -16,7 +16,7 @@ until the checkpoint was complete on disk (written by every rank and published).
     python benchmarks/checkpoint_stall.py --saves 4 --every 5 -- model.n_layers=2   # extra overrides
 
 The first save allocates the staging buffers (reported separately); the claim is about later ones:
-blocked <= 1.5 x one copy, fastest against fastest (tests/test_gpu_path_checkpoint.py) and, on one H100 with a 23 GB state,
+blocked <= 1.5 x one copy, fastest against fastest (tests/unit/checkpoint/test_gpu_path_checkpoint.py) and, on one H100 with a 23 GB state,
 <= 1 s (a save then costs less than a few steps).
 """
 

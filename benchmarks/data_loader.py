@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _start_loopback_s3(workdir: Path) -> tuple[Any, dict[str, str]]:
-    """moto's S3 server on a free 127.0.0.1 port (tests/s3server.py), with one bucket."""
+    """moto's S3 server on a free 127.0.0.1 port (tests/support/s3server.py), with one bucket."""
     import boto3
 
     spec = importlib.util.spec_from_file_location("s3server", REPO / "tests" / "s3server.py")

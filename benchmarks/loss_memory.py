@@ -74,7 +74,7 @@ def loss_peak(vocab: int, tokens: int, dim: int, chunk: int, seed: int = 0, fake
     """Peak bytes of one loss forward + backward (chunk 0: unchunked) at the given sizes.
 
     ``fake``: the same ops on FakeTensors (sizes and lifetimes, no data, no real memory), for
-    sizes this machine cannot hold; ``tests/test_model_loss.py`` checks both agree exactly.
+    sizes this machine cannot hold; ``tests/unit/models/test_model_loss.py`` checks both agree exactly.
     """
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode

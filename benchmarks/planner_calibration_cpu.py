@@ -2,7 +2,7 @@
 
     python benchmarks/planner_calibration_cpu.py RUN_DP2 RUN_DP4 RUN_DP2TP2
 
-Each argument is the run_dir of a finished tiny CPU run (tests/helpers.py TINY, trainer.max_steps=12,
+Each argument is the run_dir of a finished tiny CPU run (tests/support/helpers.py TINY, trainer.max_steps=12,
 checkpoint.enabled=false; cluster.devices=2 / 4 / 4 with parallel.tp=2); docs/planner.md has the figures.
 """
 

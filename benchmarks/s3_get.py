@@ -1,6 +1,6 @@
 """GET latency and throughput by object size through lit_titan.data.remote (docs/data.md, S3 section).
 
-    python benchmarks/s3_get.py                       # starts moto's server on 127.0.0.1 (tests/s3server.py)
+    python benchmarks/s3_get.py                       # starts moto's server on 127.0.0.1 (tests/support/s3server.py)
     python benchmarks/s3_get.py --endpoint URL --bucket B   # any S3-compatible store; AWS_* credentials
 
 Per size: ``download`` (litdata's chunk path: obstore) and ``read_bytes`` (boto3), median of --repeat

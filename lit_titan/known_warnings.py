@@ -4,7 +4,7 @@ Why: a new user reads every line of the first run; a warning they cannot act on 
 ignore warnings. Each entry names the emitting module and an exact message regex, why it is
 harmless in lit-titan's use, and the version it was seen with, so it can be dropped when the
 dependency changes. Never a blanket filter: any other warning still shows, and the test
-``tests/test_first_hour.py::test_default_run_prints_no_warning`` fails on a new one.
+``tests/commands/test_first_hour.py::test_default_run_prints_no_warning`` fails on a new one.
 
 Our own causes are fixed where they arise, not here (the run directory vs the CSV logger:
 ``lit_titan/observe/csv_logger.py``; the flight recorder's deprecated variable: ``observe/flight_recorder.py``).
@@ -87,7 +87,7 @@ KNOWN_LOG_LINES = (
           message=r"While redistributing from \(_NormPartial",
           reason="the gradient norm for clipping (strategies/grad_norm.py) under FSDP x TP is a scalar partial "
                  "over two mesh dimensions, reduced by two all-reduces of one number instead of one: every rank "
-                 "receives the same result (the losses match one device: tests/test_parallel.py); printed once "
+                 "receives the same result (the losses match one device: tests/parity/test_parallel.py); printed once "
                  "per rank, nothing a user can change (flattening the mesh for it is the strategy's job)",
           seen_with="torch 2.15"),
 )

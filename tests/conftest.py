@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from s3server import s3_server  # noqa: F401  (a real S3-compatible server on 127.0.0.1: tests/s3server.py)
+from s3server import s3_server  # noqa: F401  (a real S3-compatible server on 127.0.0.1: tests/support/s3server.py)
 
 # Variables of the user's shell that change what lit-titan, Lightning, torch or Hydra do (error
 # display, rank and launcher detection, warnings, loggers, S3 endpoints): removed from this process
@@ -47,7 +47,7 @@ def _shared_data_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def worlds(_shared_data_cache):
-    """Gloo worlds of N processes, started once and reused by every multi-process case (tests/world.py)."""
+    """Gloo worlds of N processes, started once and reused by every multi-process case (tests/support/world.py)."""
     from world import Worlds
 
     pool = Worlds()
@@ -57,7 +57,8 @@ def worlds(_shared_data_cache):
 
 @pytest.fixture(scope="session")
 def parity_reference(worlds, tmp_path_factory):
-    """The one-process run of tests/parity.py's shared config: every parity case of the session compares with it."""
+    """The one-process run of tests/support/parity.py's shared config: every parity case of the session
+    compares with it."""
     from parity import run_reference
 
     return run_reference(worlds, tmp_path_factory.mktemp("parity-reference"))

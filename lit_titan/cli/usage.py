@@ -3,7 +3,7 @@
 Why generated: a hand-written list of models or profiles goes stale the day a yaml file is added.
 The groups and options are read from ``conf/`` (and a user's ``--config-dir``) when help is asked
 for; the most-used keys are checked against the composed config by the tests
-(``tests/test_first_hour.py``), so a renamed key fails CI instead of misleading a user.
+(``tests/commands/test_first_hour.py``), so a renamed key fails CI instead of misleading a user.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ config (a dataclass) to merge into; ``lit_titan.config.schema_check`` merges the
 
     sliding_window: Optional[int] = key(ge=1)          # in ModelSchema, for conf/model/*.yaml's model.sliding_window
 
-and a yaml key without such a line is refused by name (``tests/test_schema.py`` composes every option of
+and a yaml key without such a line is refused by name (``tests/unit/config/test_schema.py`` composes every option of
 every group, so a new yaml key with no schema line fails the suite). ``_target_`` nodes (callbacks,
 loggers, profiler) are looked up by their ``_target_`` in ``TARGET_SCHEMAS``; a user's own class is
 checked by its constructor's signature instead.
@@ -27,7 +27,7 @@ from omegaconf import MISSING
 from lit_titan.settings import setting
 from lit_titan.strategies.settings import ParallelConfig
 
-# Choices the code accepts (kept in step with the modules that use them: tests/test_schema.py compares).
+# Choices the code accepts (kept in step with the modules that use them: tests/unit/config/test_schema.py compares).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 CORPORA = ("stdlib", "text", "tokens", "mixture")

@@ -40,7 +40,7 @@ def resolve_chunk_tokens(setting: int | str | None, vocab_size: int) -> int:
 
 def at_least_fp32(t: Tensor) -> Tensor:
     """``t`` in float32 when narrower (bf16/fp16 logits, rotary inputs); float64 stays float64, so an
-    fp64 run (the references in tests/test_hf_reference.py) is fp64 throughout, not rounded to fp32 here."""
+    fp64 run (the references in tests/parity/test_hf_reference.py) is fp64 throughout, not rounded to fp32 here."""
     return t if t.dtype == torch.float64 else t.float()
 
 

@@ -6,7 +6,7 @@ arguments instead and splits them the way ``TitanStrategy.parallelize`` does: pi
 ``strategies.pipeline.split_units`` / ``stage_ids`` (the same functions), TP over every weight but
 the RMSNorm weights (sequence parallel keeps them replicated), FSDP over ``dp_shard * cp``. The top
 candidates are then confirmed with the real build (``search.confirm``), and
-``tests/test_plan.py::test_analytic_layout_matches_the_meta_build`` pins the two together.
+``tests/unit/planner/test_plan.py::test_analytic_layout_matches_the_meta_build`` pins the two together.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every formula is spelled out in docs/planner.md; the short version:
 
 Activations: the per-block counts of docs/planner.md ("Activations"), adapted from Korthikanti et
 al. 2022 (arXiv:2205.05198) for Llama with SDPA, 16-bit (x2 for fp32 training), and checked against
-CPU measurement by benchmarks/activation_memory_cpu.py (within 15%, tests/test_plan.py). In short:
+CPU measurement by benchmarks/activation_memory_cpu.py (within 15%, tests/unit/planner/test_plan.py). In short:
 none s*b*(16h + 4h_kv + 8f)/(t*cp), selective_op s*b*(10h + 4h_kv + 4f)/(t*cp), full 2*s*b*h/(t*cp),
 plus what TP/CP keep gathered, the embedding output, and the larger of the loss's peak
 (12*tokens*V/t, or one chunk's) and one block's backward (its gradients, plus its recomputation).
@@ -98,7 +98,7 @@ def attention_mask_bytes(args, seq_len: int, micro_batch: int, *, document_maski
     layers of one window); with documents every distinct window (full causal included) keeps its cached
     [s, s] band and this forward's [b, 1, s, s] mask. SDPA turns a bool mask into an additive one in the
     query dtype (``act_elem`` bytes per element) and saves it for backward, one per masked layer call
-    (measured on CPU, tests/test_plan_masks.py): ``layers_kept`` layers' worth stay alive, and one more
+    (measured on CPU, tests/unit/planner/test_plan_masks.py): ``layers_kept`` layers' worth stay alive, and one more
     while a checkpointed block recomputes. At s = 32768 one [s, s] bool is 1 GiB, its bf16 copy 2 GiB.
     Under CP the CP core builds its own masks per chunk (not counted here).
     """

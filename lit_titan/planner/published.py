@@ -6,7 +6,7 @@ hosts: 8 x H100 with 96 GB HBM2e at 2.4 TB/s, 500 W, 400 Gb/s RDMA per GPU). Two
 "FSDP + torch.compile" (6,667 TPS/GPU) the compute efficiency, then "+ Float8" (8,532) the block
 Linears' Float8 speed-up. Communication efficiency and bandwidths stay at the profile's values. The
 70B (Table 4) and 405B (Table 5) rows are then predicted without refitting.
-``docs/benchmarks.md`` holds the table :func:`markdown_table` renders; tests/test_plan.py pins it.
+``docs/benchmarks.md`` holds the table :func:`markdown_table` renders; tests/unit/planner/test_plan.py pins it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,263 @@
+"""Deliberate bugs, one at a time, applied by monkeypatching inside the worker processes.
+
+Each mutant is a small realistic bug in the narrowest lit_titan function (or the narrowest library
+call lit_titan makes) that its code would live in. Production code has no switch for any of them:
+``applied(name)`` patches the live objects for one case and restores them afterwards (the reused
+worlds of tests/support/world.py run many cases in one process). tests/parity/test_mutants.py runs each one against
+the parity case that targets it and asserts that the parity check fails by a wide margin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str  # what is wrong, in words
+    where: str  # the lit_titan code the bug would live in
+    apply: Callable[["_Patcher"], None]
+
+
+class _Patcher:
+    def __init__(self) -> None:
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def set(self, owner: Any, attr: str, value: Any) -> None:
+        self._undo.append((owner, attr, owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    def undo(self) -> None:
+        for owner, attr, value in reversed(self._undo):
+            setattr(owner, attr, value)
+        self._undo.clear()
+
+
+MUTANTS: dict[str, Mutant] = {}
+
+
+def mutant(name: str, bug: str, where: str):
+    def register(fn: Callable[[_Patcher], None]) -> Callable[[_Patcher], None]:
+        MUTANTS[name] = Mutant(name, bug, where, fn)
+        return fn
+    return register
+
+
+@contextlib.contextmanager
+def applied(name: str | None) -> Iterator[None]:
+    if not name:
+        yield
+        return
+    patcher = _Patcher()
+    MUTANTS[name].apply(patcher)
+    try:
+        yield
+    finally:
+        patcher.undo()
+
+
+# ---- the mutants ---------------------------------------------------------------------------------
+@mutant("cp_rope_rank0_positions", "every context-parallel rank uses rank 0's RoPE positions",
+        "strategies/context_parallel.py: ContextParallel._inject_positions")
+def _cp_rope_rank0(p: _Patcher) -> None:
+    from lit_titan.strategies import context_parallel as cp
+
+    def inject(self, module, args, kwargs):
+        local = args[0].shape[1]
+        device = args[0].device if not hasattr(args[0], "to_local") else args[0].to_local().device
+        return args[:1], {**kwargs, "positions": cp.balanced_positions(local * self.cp, self.cp, 0, device)}
+
+    p.set(cp.ContextParallel, "_inject_positions", inject)
+
+
+@mutant("cp_allgather_backward_local", "the K/V all-gather's backward keeps the local gradient (no reduction)",
+        "strategies/context_parallel.py: _AllGatherSeq.backward")
+def _cp_allgather_bwd(p: _Patcher) -> None:
+    from lit_titan.strategies import context_parallel as cp
+
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        return grad.chunk(world, dim=ctx.dim)[rank].contiguous(), None, None
+
+    p.set(cp._AllGatherSeq, "backward", staticmethod(backward))
+
+
+@mutant("pp_loss_scale_ignores_accumulation", "the pipeline loss scale forgets gradient accumulation",
+        "strategies/pipeline.py: PipelineRunner.train_step")
+def _pp_scale(p: _Patcher) -> None:
+    from lit_titan.strategies.pipeline import PipelineRunner
+
+    original = PipelineRunner.train_step
+
+    def train_step(self, inputs, labels, loss_fn, accumulation, *args, **kwargs):
+        return original(self, inputs, labels, loss_fn, 1, *args, **kwargs)
+
+    p.set(PipelineRunner, "train_step", train_step)
+
+
+@mutant("pp_drops_last_microbatch", "the pipeline schedule drops the last micro-batch's gradient",
+        "strategies/pipeline.py: PipelineRunner._scaled_loss")
+def _pp_last_mb(p: _Patcher) -> None:
+    from lit_titan.strategies.pipeline import PipelineRunner
+
+    original_step, original_loss = PipelineRunner.train_step, PipelineRunner._scaled_loss
+
+    def train_step(self, *args, **kwargs):
+        self._mutant_mb = 0
+        return original_step(self, *args, **kwargs)
+
+    def scaled_loss(self, output, target):
+        loss = original_loss(self, output, target)
+        self._mutant_mb = getattr(self, "_mutant_mb", 0) + 1
+        return loss * 0 if self._mutant_mb == self.microbatches else loss
+
+    p.set(PipelineRunner, "train_step", train_step)
+    p.set(PipelineRunner, "_scaled_loss", scaled_loss)
+
+
+@mutant("grad_norm_local_shard", "the global grad norm (logged, and used for clipping) from each rank's shard only",
+        "strategies/grad_norm.py: total_grad_norm")
+def _norm_local(p: _Patcher) -> None:
+    import lit_titan.module as module
+    from lit_titan.strategies import grad_norm
+
+    original = grad_norm.total_grad_norm
+
+    class _Local:
+        def __init__(self, p):
+            g = p.grad
+            self.grad = g.to_local() if hasattr(g, "to_local") else g
+
+    def total_grad_norm(params, pp_group=None, norm_type=2.0):
+        return original([_Local(q) for q in params if q.grad is not None], pp_group, norm_type)
+
+    p.set(module, "total_grad_norm", total_grad_norm)
+
+
+@mutant("grad_norm_misses_pp_stages", "the global grad norm leaves out the other pipeline stages",
+        "strategies/grad_norm.py: total_grad_norm")
+def _norm_pp(p: _Patcher) -> None:
+    import lit_titan.module as module
+    from lit_titan.strategies import grad_norm
+
+    original = grad_norm.total_grad_norm
+    p.set(module, "total_grad_norm", lambda params, pp_group=None, norm_type=2.0: original(params, None, norm_type))
+
+
+def _patch_fsdp_divide(p: _Patcher, factor: Callable[[Any], float]) -> None:
+    from lit_titan.strategies import strategy
+
+    original = strategy.apply_fsdp
+
+    def apply_fsdp(units, root, mesh, precision, cfg):
+        original(units, root, mesh, precision, cfg)
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                # SUM collectives then one division (gloo has no PREMUL_SUM for a custom factor)
+                m.set_force_sum_reduction_for_comms(True)
+                m.set_gradient_divide_factor(factor(mesh))
+
+    p.set(strategy, "apply_fsdp", apply_fsdp)
+
+
+@mutant("fsdp_sums_gradients", "FSDP sums the data-parallel gradients instead of averaging them",
+        "strategies/fsdp.py: apply_fsdp")
+def _fsdp_sum(p: _Patcher) -> None:
+    _patch_fsdp_divide(p, lambda mesh: 1.0)
+
+
+@mutant("hsdp_replicate_sums", "HSDP's replicate all-reduce sums instead of averaging (divides by the shard size only)",
+        "strategies/fsdp.py: apply_fsdp")
+def _hsdp_sum(p: _Patcher) -> None:
+    _patch_fsdp_divide(p, lambda mesh: float(mesh.size(mesh.ndim - 1)))
+
+
+@mutant("tp_dropped_reduction", "the feed-forward output projection's TP reduction is dropped (each rank keeps "
+        "its partial sum)", "strategies/tensor_parallel.py: tp_plans")
+def _tp_drop(p: _Patcher) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from lit_titan.strategies import tensor_parallel as tp
+
+    class NoReduceRowwise(RowwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            local = outputs.to_local()  # a partial sum: the reduce-scatter that should follow is missing
+            piece = local.chunk(device_mesh.size(), dim=1)[device_mesh.get_local_rank()]
+            out = DTensor.from_local(piece, device_mesh, [Shard(1)], run_check=False)
+            return out.to_local() if use_local_output else out
+
+    original = tp.tp_plans
+
+    def tp_plans(*args, **kwargs):
+        plans = original(*args, **kwargs)
+        for _, styles in plans:
+            if isinstance(styles, dict) and isinstance(styles.get("feed_forward.w2"), RowwiseParallel):
+                old = styles["feed_forward.w2"]
+                styles["feed_forward.w2"] = NoReduceRowwise(output_layouts=old.output_layouts[0],
+                                                            use_local_output=old.use_local_output)
+        return plans
+
+    p.set(tp, "tp_plans", tp_plans)
+
+
+@mutant("data_order_depends_on_dp", "the global sample order depends on the data-parallel degree",
+        "data/datamodule.py: PretrainDataModule._global_batches (order seed)")
+def _data_order(p: _Patcher) -> None:
+    from lit_titan.data.datamodule import PretrainDataModule
+
+    original = PretrainDataModule._global_batches
+
+    def global_batches(self, *args, **kwargs):
+        saved = self.seed
+        dp = getattr(getattr(getattr(self, "trainer", None), "strategy", None), "data_parallel_size", 1)
+        self.seed = saved + dp - 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.seed = saved
+
+    p.set(PretrainDataModule, "_global_batches", global_batches)
+
+
+@mutant("resume_skips_optimizer_state", "a resume does not restore the optimizer state",
+        "checkpoint/writer.py: load_sharded")
+def _resume_optim(p: _Patcher) -> None:
+    from lit_titan.strategies import strategy
+
+    original = strategy.load_sharded
+    p.set(strategy, "load_sharded", lambda model, optimizers, ckpt, **kw: original(model, [], ckpt, **kw))
+
+
+@mutant("resume_skips_data_position", "a resume restarts the data from the first batch",
+        "data/datamodule.py: PretrainDataModule.load_state_dict")
+def _resume_data(p: _Patcher) -> None:
+    from lit_titan.data.datamodule import PretrainDataModule
+
+    p.set(PretrainDataModule, "load_state_dict", lambda self, state_dict: None)
+
+
+@mutant("resume_skips_lr_scheduler", "a resume restarts the learning-rate schedule from step 0",
+        "checkpoint/writer.py: load_sharded (the meta Lightning restores schedulers from)")
+def _resume_lr(p: _Patcher) -> None:
+    from lit_titan.strategies import strategy
+
+    original = strategy.load_sharded
+
+    def load_sharded(model, optimizers, ckpt, **kw):
+        meta = original(model, optimizers, ckpt, **kw)
+        for state in meta.get("lr_schedulers", []):
+            state["last_epoch"], state["_step_count"] = 0, 1
+            state["_last_lr"] = list(state.get("base_lrs", state.get("_last_lr", [])))
+        return meta
+
+    p.set(strategy, "load_sharded", load_sharded)

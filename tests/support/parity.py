@@ -1,0 +1,291 @@
+"""Gradient-level parity harness: what a run computed, dumped at chosen steps, compared with one process.
+
+Why gradients and not losses: under AdamW a uniform gradient-scale error (a loss scale that forgets
+accumulation, FSDP summing instead of averaging) trains to the same losses, because Adam's
+m / sqrt(v) cancels the scale; and near the initial weights attention barely moves the loss. The
+full gradient of every parameter before clipping, the global norm clipping used, and the weights
+after the step show both.
+
+``ParityDump`` is a test-only Lightning callback (nothing runs on the training path when it is not
+added): at each chosen optimizer step it gathers every parameter's full gradient *before* clipping
+(``on_before_optimizer_step``: callbacks run before the module's hook computes the norm, and
+clipping comes after both), then after the step the module's global norm and the full weights,
+and rank 0 writes ``step-NNNNNN.pt`` keyed by the single-device parameter names. Sharded (DTensor)
+tensors are gathered over their own mesh (``full_tensor``); pipeline stages hold disjoint
+parameters, so every rank's tensors go to rank 0 over the world group.
+
+``train_case`` runs in a reused world (tests/support/world.py): the real entry point
+(``lit_titan.cli.hydra_app.run_app`` with ``lit_titan.job.run.train``) with the callback added, optionally
+with a mutant (tests/support/mutants/) applied for the case and undone afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from helpers import TINY
+
+# Wrappers that activation checkpointing / compile insert into parameter names.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def single_device_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to("cpu", copy=True)
+
+
+def _gather_to_rank0(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Every rank's tensors merged on rank 0 (replicas send equal copies; the first one is kept)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, parts, dst=0)
+    if parts is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, t in part.items():
+            merged.setdefault(name, t)
+    return merged
+
+
+class ParityDump(L.Callback):
+    """Dump full pre-clip gradients, the global grad norm and post-step weights at ``steps``."""
+
+    def __init__(self, out_dir: str | Path, steps: list[int]) -> None:
+        self.out_dir = Path(out_dir)
+        self.steps = set(int(s) for s in steps)
+        self._pending: tuple[int, dict[str, torch.Tensor] | None] | None = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        step = trainer.global_step
+        if step not in self.steps:
+            return
+        grads = {single_device_name(n): _full(p.grad) for n, p in pl_module.model.named_parameters()
+                 if p.grad is not None}
+        self._pending = (step, _gather_to_rank0(grads))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._pending is None or trainer.global_step != self._pending[0] + 1:
+            return  # inside an accumulation window
+        step, grads = self._pending
+        self._pending = None
+        params = _gather_to_rank0({single_device_name(n): _full(p) for n, p in pl_module.model.named_parameters()})
+        norm = pl_module._last_grad_norm
+        norm = float(_full(norm)) if norm is not None else math.nan
+        if trainer.global_rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            torch.save({"step": step, "grads": grads, "norm": norm, "params": params},
+                       self.out_dir / f"step-{step:06d}.pt")
+
+
+def train_case(argv: list[str], out_dir: str, steps: list[int], mutant: str | None = None) -> dict[str, Any]:
+    """``lit_titan.train.main(argv)`` with a ``ParityDump`` (and a mutant, if named) on every rank."""
+    import shlex
+
+    from lit_titan.cli.hydra_app import run_app
+    from lit_titan.job.run import train
+
+    from mutants import applied
+
+    print(f"$ python -m lit_titan.train {shlex.join(argv)}  # parity dump at {sorted(steps)}, mutant={mutant}",
+          flush=True)
+    with applied(mutant):
+        return run_app(argv, partial(train, callbacks=[ParityDump(out_dir, steps)]))
+
+
+# ---- comparison (in the test process) ------------------------------------------------------------
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest allowed error of each kind (each measured against a noise floor: see the tests)."""
+
+    grads: float  # per parameter: max |got - ref| / max |ref|, every dumped step
+    norm: float  # relative error of the global grad norm (clipping's)
+    params: float  # per parameter, weights after each dumped step
+    loss: float = 1e-5  # relative error of each step's logged loss
+
+
+@dataclass
+class Report:
+    """Worst error per kind, with where it was (step, parameter)."""
+
+    worst: dict[str, tuple[float, str]] = field(default_factory=dict)
+
+    def add(self, kind: str, err: float, where: str) -> None:
+        if kind not in self.worst or not (err <= self.worst[kind][0]):  # NaN counts as worst
+            self.worst[kind] = (err, where)
+
+    def margin(self, tol: Tolerance) -> tuple[float, str]:
+        """The largest error / tolerance over the kinds, and what it was (>1: parity fails)."""
+        best = (0.0, "")
+        for kind, (err, where) in self.worst.items():
+            ratio = math.inf if math.isnan(err) else err / getattr(tol, kind)
+            if ratio > best[0]:
+                best = (ratio, f"{kind} {where}: {err:.3g} (tolerance {getattr(tol, kind):.1g})")
+        return best
+
+    def summary(self) -> str:
+        return ", ".join(f"{k} {e:.3g} at {w}" for k, (e, w) in sorted(self.worst.items()))
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = ref.abs().max().item()
+    return (got.double() - ref.double()).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def load_dumps(run_dir: Path | str) -> dict[int, dict[str, Any]]:
+    return {int(p.stem.split("-")[1]): torch.load(p, weights_only=True) for p in sorted(Path(run_dir).glob("step-*.pt"))}
+
+
+def compare(ref_dir: Path | str, got_dir: Path | str, steps: list[int] | None = None) -> Report:
+    """Per-parameter max relative error of gradients and weights, and the norm's, at every dumped step."""
+    ref, got = load_dumps(ref_dir), load_dumps(got_dir)
+    if steps is not None:
+        ref = {s: d for s, d in ref.items() if s in steps}
+    assert ref and sorted(ref) == sorted(got), f"dumped steps differ: reference {sorted(ref)}, got {sorted(got)}"
+    report = Report()
+    for step in sorted(ref):
+        r, g = ref[step], got[step]
+        for kind in ("grads", "params"):
+            missing = sorted(set(r[kind]) ^ set(g[kind]))
+            if missing:
+                report.add(kind, math.nan, f"step {step}: parameters only in one run: {missing[:4]}")
+                continue
+            for name, ref_t in r[kind].items():
+                got_t = g[kind][name]
+                err = math.nan if got_t.shape != ref_t.shape else _rel(got_t, ref_t)
+                report.add(kind, err, f"step {step} {name}")
+        report.add("norm", abs(g["norm"] - r["norm"]) / r["norm"], f"step {step}")
+    return report
+
+
+def norms(run_dir: Path | str) -> dict[int, float]:
+    return {step: d["norm"] for step, d in load_dumps(run_dir).items()}
+
+
+# ---- the shared regime and cases -----------------------------------------------------------------
+# Where bugs show: lr 1e-2 (the reference's loss falls 6.63 -> 5.92 in 8 steps, so attention and every
+# weight move), clipping engaged at every step (the reference's global norm is 0.55-0.62 > 0.3, so
+# the clipped update depends on the norm over FSDP/TP shards and PP stages), fp32.
+STEPS = 8
+CLIP = 0.3
+MIN_LOSS_DROP = 0.5  # the reference must learn at least this much (measured: 0.72)
+PARITY = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "optim.lr=1e-2",
+          "optim.warmup_steps=2", f"trainer.gradient_clip_val={CLIP}"]
+DUMP_STEPS = [0, 4, STEPS - 1]
+RESUME_STEP = 4  # the reference saves a checkpoint here; resume cases continue from it
+
+# Measured noise floor: the worst error of each kind over the 24 correct cases below against their
+# one-process reference (CPU, gloo, torch 2.15; PARITY_RECORD=file python -m pytest -m parity writes
+# every case's; docs/testing.md, "Parity", has the table): gradients 1.9e-5 (the zero-bubble cases;
+# 1.4e-5 elsewhere), weights 1.6e-4 (Adam's first steps turn the rounding of near-zero gradients
+# into whole lr-sized moves), clip norm 6.5e-7, loss 1.7e-7. Each tolerance is about 4x its floor;
+# every mutant (tests/support/mutants/) misses by >= 10x the tolerance.
+TOL = Tolerance(grads=8e-5, norm=3e-6, params=6e-4, loss=1e-6)
+
+SIX_LAYERS = ["model.n_layers=6"]
+# name -> overrides on top of PARITY. Every parallelism is combined with gradient accumulation at least once
+# (data.micro_batch_size below the per-rank batch).
+CASES: dict[str, list[str]] = {
+    # FSDP / HSDP / TP (tests/parity/test_parallel.py)
+    "dp2": ["cluster.devices=2"],
+    "dp2_accum2": ["cluster.devices=2", "data.micro_batch_size=2"],
+    "dp4_accum2": ["cluster.devices=4", "data.micro_batch_size=1"],
+    "hsdp2x2_accum2": ["cluster.devices=4", "parallel.dp_replicate=2", "data.micro_batch_size=1"],
+    "tp2": ["cluster.devices=2", "parallel.tp=2"],
+    "dp2_tp2_accum2": ["cluster.devices=4", "parallel.tp=2", "data.micro_batch_size=2"],
+    "resume_dp2": ["cluster.devices=2"],  # + resume= the reference's step-4 checkpoint
+    # pipeline (tests/parity/test_pipeline.py): each schedule family, with and without accumulation
+    "pp2_1F1B_accum2": ["cluster.devices=2", "parallel.pp=2", "data.micro_batch_size=4"],
+    "pp2xdp2_GPipe": ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=GPipe"],
+    "pp2xdp2_1F1B": ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=1F1B"],
+    "pp2xdp2_Interleaved1F1B_accum2": ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B",
+                                       "data.micro_batch_size=2", "parallel.pp_microbatches=2"],
+    "pp2xdp2_LoopedBFS": ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=LoopedBFS"],
+    "pp2xtp2": ["cluster.devices=4", "parallel.pp=2", "parallel.tp=2"],
+    "pp2xdp2xtp2_Interleaved1F1B": ["cluster.devices=8", "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
+                                    "parallel.pp_schedule=Interleaved1F1B"],
+    # zero-bubble schedules x FSDP (one stage's gradients silently wrong when FSDP reshards after forward): six layers give each of the 4 stages two FSDP
+    # units, so a stage has a unit that could reshard after forward. Their reference: PARITY + SIX_LAYERS.
+    "pp2xdp2_InterleavedZeroBubble": [*SIX_LAYERS, "cluster.devices=4", "parallel.pp=2", "parallel.dp_shard=2",
+                                      "parallel.pp_schedule=InterleavedZeroBubble"],
+    "pp2xdp2_ZBVZeroBubble": [*SIX_LAYERS, "cluster.devices=4", "parallel.pp=2", "parallel.dp_shard=2",
+                              "parallel.pp_schedule=ZBVZeroBubble"],
+    "pp2xdp2_DualPipeV": [*SIX_LAYERS, "cluster.devices=4", "parallel.pp=2", "parallel.dp_shard=2",
+                          "parallel.pp_schedule=DualPipeV"],
+    "pp2_ZBVZeroBubble_accum2": [*SIX_LAYERS, "cluster.devices=2", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble",
+                                 "data.micro_batch_size=4"],
+    # context parallel (tests/parity/test_context_parallel.py)
+    "cp2": ["cluster.devices=2", "parallel.cp=2"],
+    "cp4": ["cluster.devices=4", "parallel.cp=4"],
+    "cp2xdp2_accum2": ["cluster.devices=4", "parallel.cp=2", "parallel.dp_shard=2", "data.micro_batch_size=2"],
+    "cp2xtp2": ["cluster.devices=4", "parallel.cp=2", "parallel.tp=2"],
+    "pp2xcp2xtp2": ["cluster.devices=8", "parallel.pp=2", "parallel.cp=2", "parallel.tp=2"],
+    "dp2xcp2xpp2_Interleaved1F1B": ["cluster.devices=8", "parallel.pp=2", "parallel.cp=2", "parallel.dp_shard=2",
+                                    "parallel.pp_schedule=Interleaved1F1B"],
+}
+
+
+def run_reference(worlds, run_dir: Path, extra: list[str] = ()) -> Path:
+    """The one-process run every case compares with; it also saves the checkpoint resume cases start from."""
+    overrides = [*PARITY, *extra, "cluster.devices=1", f"checkpoint.every_n_steps={RESUME_STEP}",
+                 "checkpoint.keep_last=0"]
+    worlds.run(1, "parity:train_case", [*overrides, f"run_dir={run_dir}"], str(run_dir / "dump"), DUMP_STEPS,
+               timeout=600)
+    return run_dir
+
+
+def run_case(worlds, case: str, run_dir: Path, reference: Path, mutant: str | None = None) -> Path:
+    overrides, steps = [*PARITY, *CASES[case], "checkpoint.enabled=false"], DUMP_STEPS
+    if case.startswith("resume_"):
+        overrides.append(f"resume={reference / 'checkpoints' / f'step-{RESUME_STEP:06d}'}")
+        steps = [s for s in DUMP_STEPS if s >= RESUME_STEP]
+    from world import devices_of
+
+    worlds.run(devices_of(overrides), "parity:train_case", [*overrides, f"run_dir={run_dir}"], str(run_dir / "dump"),
+               steps, mutant, timeout=600)
+    return run_dir
+
+
+def measure(case: str, reference: Path, got: Path) -> Report:
+    """Worst loss, gradient, norm and weight errors of a case against the reference (at the steps it ran)."""
+    from helpers import losses
+
+    ref_losses, got_losses = losses(reference), losses(got)
+    first = STEPS - len(got_losses)
+    assert len(got_losses) == STEPS - first and first in (0, RESUME_STEP), got_losses
+    report = compare(reference / "dump", got / "dump", steps=[s for s in DUMP_STEPS if s >= first])
+    report.add("loss", max(abs(g - r) / r for g, r in zip(got_losses, ref_losses[first:])), "worst step")
+    return report
+
+
+def check_case(case: str, reference: Path, got: Path) -> Report:
+    """The reference learns with clipping engaged; losses, gradients, norms and weights match it."""
+    import json
+    import os
+
+    from helpers import losses
+
+    ref_losses = losses(reference)
+    assert ref_losses[0] - ref_losses[-1] >= MIN_LOSS_DROP, f"the reference did not learn: {ref_losses}"
+    assert min(norms(reference / "dump").values()) > CLIP, "clipping never engaged in the reference"
+    report = measure(case, reference, got)
+    if os.environ.get("PARITY_RECORD"):  # the noise floor measurement (see TOL)
+        with open(os.environ["PARITY_RECORD"], "a") as f:
+            f.write(json.dumps({"case": case, **{k: v[0] for k, v in report.worst.items()}}) + "\n")
+    ratio, what = report.margin(TOL)
+    assert ratio <= 1.0, f"{case}: parity broken: {what}\n  all: {report.summary()}"
+    return report

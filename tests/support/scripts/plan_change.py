@@ -1,0 +1,85 @@
+"""Swap the Llama plan's embedding TP style, then plan or train with it.
+
+The embedding becomes ColwiseParallel (shard the embedding dim, weight placement S(1) on tp)
+instead of TorchTitan's RowwiseParallel (shard the vocabulary, S(0)); both are correct layouts.
+The changed plan is registered only while ``main`` runs and the stock one put back on return:
+``main`` runs in the test's own process (plan) and on every rank of a reused world
+(tests/support/world.py, train), where module state outlives the case.
+Usage: plan_change.py {plan|train} OUT_JSON [hydra overrides]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+
+import lightning as L
+
+from lit_titan.models.llama3 import Transformer
+from lit_titan.models.llama3.plan import LLAMA3_PLAN
+from lit_titan.strategies import plan as registry
+from lit_titan.strategies.plan import register_plan
+
+
+def tp_root_colwise_embedding(model, loss_parallel):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    plan = LLAMA3_PLAN.tp_root(model, loss_parallel)
+    if "tok_embeddings" in plan:
+        plan["tok_embeddings"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                 use_local_output=False)
+    return plan
+
+
+@contextlib.contextmanager
+def colwise_embedding() -> Iterator[None]:
+    """The changed plan registered for Transformer; the one registered before restored on exit."""
+    # The registry has no public "unregister": read and restore its entry for this class directly.
+    saved = registry._REGISTRY.get(Transformer)
+    register_plan(Transformer, replace(LLAMA3_PLAN, tp_root=tp_root_colwise_embedding))
+    try:
+        yield
+    finally:
+        if saved is None:
+            registry._REGISTRY.pop(Transformer, None)
+        else:
+            register_plan(Transformer, saved)
+
+
+class DumpPlacements(L.Callback):
+    """What training actually built: every parameter's placements and local shape, rank 0."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            params = {n: {"placements": [str(p) for p in getattr(t, "placements", ())],
+                          "local_shape": list(t.to_local().shape) if hasattr(t, "to_local") else list(t.shape)}
+                      for n, t in pl_module.model.named_parameters()}
+            with open(self.out, "w") as f:
+                json.dump(params, f)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    mode, out, overrides = argv[0], argv[1], argv[2:]
+    with colwise_embedding():
+        if mode == "plan":
+            from lit_titan.cli.plan import make_plan
+
+            with open(out, "w") as f:
+                json.dump(make_plan(overrides, write=False)["per_rank"]["example_parameters"], f)
+        else:
+            from lit_titan.config import compose
+            from lit_titan.job.run import train
+
+            train(compose(overrides), callbacks=[DumpPlacements(out)])
+
+
+if __name__ == "__main__":
+    main()

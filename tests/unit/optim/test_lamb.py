@@ -1,0 +1,141 @@
+"""optim=lamb: the paper's update rule on one process, and parity with one process under FSDP, TP, FSDP x TP, PP.
+
+The sharded cases are the point: a trust ratio computed from a shard's norm instead of the whole
+parameter's trains silently wrong, and only a comparison with one process shows it.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import TINY, assert_losses_match, final_params, losses, read_metrics
+from lit_titan.config import compose, validate
+from lit_titan.errors import ConfigError
+from lit_titan.optim.lamb import Lamb
+from lit_titan.optim.build import OptimConfig, build_optimizer
+
+
+def _paper_lamb(params, grads_per_step, lr, betas, eps, wd):
+    """You et al. 2020, Algorithm 2 (LAMB), one parameter at a time in plain float64 Python-level steps."""
+    b1, b2 = betas
+    w = [p.detach().double().clone() for p in params]
+    m = [torch.zeros_like(x) for x in w]
+    v = [torch.zeros_like(x) for x in w]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for i, g in enumerate(grads):
+            g = g.double()
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            m_hat = m[i] / (1 - b1 ** t)
+            v_hat = v[i] / (1 - b2 ** t)
+            r = m_hat / (v_hat.sqrt() + eps) + wd[i] * w[i]
+            w_norm, r_norm = w[i].norm().item(), r.norm().item()
+            trust = w_norm / r_norm if w_norm > 0 and r_norm > 0 else 1.0
+            w[i] = w[i] - lr * trust * r
+    return w
+
+
+def _toy():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[0].bias.zero_()  # a zero-norm parameter: trust ratio 1 on the first step
+    return model
+
+
+def test_lamb_matches_the_papers_rule_after_5_steps():
+    model = _toy()
+    start = [p.detach().clone() for p in model.parameters()]
+    cfg = OptimConfig(name="lamb", lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.1)
+    opt = build_optimizer(model, cfg)
+    assert isinstance(opt, Lamb)
+    # AdamW's groups: matrices decay, 1-D parameters do not
+    decays = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    wd = [decays[id(p)] for p in model.parameters()]
+    assert wd == [0.1, 0.0, 0.0, 0.0, 0.1, 0.0]
+    grads_per_step = []
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randn(16, 6, generator=gen)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        grads_per_step.append([p.grad.detach().clone() for p in model.parameters()])
+        opt.step()
+    want = _paper_lamb(start, grads_per_step, cfg.lr, cfg.betas, cfg.eps, wd)
+    for name_p, w in zip(model.named_parameters(), want):
+        name, p = name_p
+        assert not torch.equal(p.detach(), start[[n for n, _ in model.named_parameters()].index(name)]), name
+        torch.testing.assert_close(p.detach().double(), w, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_trust_ratio_is_not_adams_step():
+    """LAMB's per-parameter scale really acts: one step moves each matrix by lr * ||w|| (relative step lr)."""
+    model = _toy()
+    w0 = model[0].weight.detach().clone()
+    opt = Lamb([model[0].weight], lr=0.01, weight_decay=0.0)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    moved = (model[0].weight.detach() - w0).norm().item()
+    assert math.isclose(moved, 0.01 * w0.norm().item(), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("betas", ["[0.9,1.0]", "[-0.1,0.999]", "[0.9]"])
+def test_bad_betas_one_line(betas):
+    with pytest.raises(ConfigError) as info:
+        validate(compose([*TINY, "optim=lamb", f"optim.betas={betas}"]))
+    msg = str(info.value)
+    assert "optim.betas=" in msg and "[0, 1)" in msg and "\n" not in msg
+
+
+def test_unknown_optimizer_one_line():
+    with pytest.raises(ConfigError, match=r"optim.name=sgd: not an option; choose one of adamw, lamb"):
+        validate(compose([*TINY, "optim.name=sgd"]))
+
+
+# ---- parity with one process (real gloo worlds, tests/support/world.py) ------------------------------------
+STEPS = 10
+COMMON = [*TINY, "optim=lamb", "optim.warmup_steps=2", f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true"]
+LAYOUTS = {
+    "dp4": ["cluster.devices=4"],
+    "tp2": ["cluster.devices=2", "parallel.tp=2"],
+    "dp2_tp2": ["cluster.devices=4", "parallel.tp=2"],
+    "pp2_dp2": ["cluster.devices=4", "parallel.pp=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, worlds):
+    run_dir = tmp_path_factory.mktemp("lamb-single")
+    # a checkpoint half-way too: test_lamb_resumes_into_another_layout continues from it
+    worlds.train([*COMMON, "cluster.devices=1", f"checkpoint.every_n_steps={STEPS // 2}", "checkpoint.keep_last=0"],
+                 run_dir)
+    return run_dir
+
+
+@pytest.mark.parity
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lamb_layout_matches_single_process(layout, reference, tmp_path, worlds):
+    worlds.train([*COMMON, *LAYOUTS[layout]], tmp_path)
+    assert len(losses(reference)) == STEPS and all(float(r["train/grad_norm"]) > 0 for r in read_metrics(reference))
+    assert_losses_match(losses(tmp_path), losses(reference), rtol=1e-5)
+    ref_params, got = final_params(reference), final_params(tmp_path)
+    assert ref_params.keys() == got.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(got[name], ref, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_lamb_resumes_into_another_layout(reference, tmp_path, worlds):
+    """Saved by one process at step 5, resumed under dp2 x tp2 (LAMB's moments and step counts resharded
+    by DCP onto FSDP x TP shards): the last 5 steps' losses are the uninterrupted run's."""
+    half = STEPS // 2
+    worlds.train([*COMMON, "cluster.devices=4", "parallel.tp=2",
+                  f"resume={reference / 'checkpoints' / f'step-{half:06d}'}"], tmp_path)
+    assert [int(r["step"]) for r in read_metrics(tmp_path)] == list(range(half, STEPS))  # continues
+    assert_losses_match(losses(tmp_path), losses(reference)[half:], rtol=1e-5)
+    ref_params, got = final_params(reference), final_params(tmp_path)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(got[name], ref, rtol=0, atol=1e-5, msg=name)
