@@ -34,7 +34,7 @@ def instantiate(node: DictConfig, **kwargs: Any) -> Any:
         raise
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
+def build_loggers(loggers: DictConfig | None, run_dir: Path) -> list:
     """The ``logger`` nodes (conf/logger/, or a user's ``_target_``) through hydra.utils.instantiate.
 
     metrics.csv is part of the run's contract (docs, tests, the sweep summary read it), so a list
@@ -44,9 +44,9 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
 
     from lit_titan.csv_logger import RunDirCSVLogger
 
-    loggers: list = []
+    out: list = []
     credentials_in_argv = bool(secrets_of(sys.argv[1:]))
-    for node in (cfg.get("logger") or {}).values():
+    for node in (loggers or {}).values():
         extra: dict[str, Any] = {}
         if "Wandb" in str(node.get("_target_", "")):
             if node.get("offline", False):
@@ -58,10 +58,10 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
                 settings = OmegaConf.to_container(settings, resolve=True) if OmegaConf.is_config(settings) else \
                     dict(settings or {})
                 extra.update(settings={**settings, "x_disable_meta": True}, _convert_="all")  # a dict, for wandb
-        loggers.append(instantiate(node, **extra))
-    if not any(isinstance(lg, CSVLogger) and Path(lg.log_dir).resolve() == run_dir for lg in loggers):
-        loggers.insert(0, RunDirCSVLogger(save_dir=str(run_dir), name="", version=""))
-    return loggers
+        out.append(instantiate(node, **extra))
+    if not any(isinstance(lg, CSVLogger) and Path(lg.log_dir).resolve() == run_dir for lg in out):
+        out.insert(0, RunDirCSVLogger(save_dir=str(run_dir), name="", version=""))
+    return out
 
 
 def build_strategy(cfg: DictConfig):
@@ -84,10 +84,10 @@ def tensorboard_dir(cfg: DictConfig) -> str | None:
     return None
 
 
-def build_datamodule(cfg: DictConfig, model_vocab_size: int) -> Any:
+def build_datamodule(data: DictConfig, model_vocab_size: int) -> Any:
     """The ``data`` node's data module (``_target_``), its data_dir with ``~`` expanded."""
-    return instantiate(cfg.data, data_dir=os.path.expanduser(str(cfg.data.data_dir)),
-                       model_vocab_size=model_vocab_size, _convert_="all")
+    return instantiate(data, data_dir=os.path.expanduser(str(data.data_dir)), model_vocab_size=model_vocab_size,
+                       _convert_="all")
 
 
 def build_module(cfg: DictConfig) -> Any:

@@ -74,7 +74,7 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
     flight_recorder.enable(int(cfg.cluster.get("flight_recorder_entries", 0) or 0), run_dir / "hang")
 
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    datamodule = build_datamodule(cfg, args.vocab_size)
+    datamodule = build_datamodule(cfg.data, args.vocab_size)
     module = build_module(cfg)
     global_batch = int(cfg.data.global_batch_size)
     micro = int(cfg.data.micro_batch_size or global_batch // dims.dp)
@@ -88,7 +88,7 @@ def train(cfg: DictConfig, callbacks: list | None = None) -> dict[str, Any]:
         log_every_n_steps=t.log_every_n_steps, limit_val_batches=t.limit_val_batches,
         val_check_interval=t.val_check_interval if t.limit_val_batches else None,
         enable_progress_bar=t.enable_progress_bar, deterministic=t.deterministic,
-        logger=build_loggers(cfg, run_dir), callbacks=all_callbacks, default_root_dir=str(run_dir),
+        logger=build_loggers(cfg.get("logger"), run_dir), callbacks=all_callbacks, default_root_dir=str(run_dir),
         enable_checkpointing=False, use_distributed_sampler=False,  # Checkpointing replaces ModelCheckpoint
         enable_model_summary=False, profiler=instantiate(cfg.profiler) if cfg.get("profiler") else None,
     )
