@@ -1,0 +1,43 @@
+"""The layering of the house, read off the imports: commands above the library, the planner below the run.
+
+Static (the source's import statements, parsed): no process, no torch import, milliseconds.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lit_titan"
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top or inside a function (``from a import b`` counts as a.b too)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def _library() -> list[Path]:
+    """lit_titan/ without its commands: cli/ and the launchers' module, train.py."""
+    return [p for p in PACKAGE.rglob("*.py")
+            if p.relative_to(PACKAGE).parts[0] != "cli" and p != PACKAGE / "train.py"]
+
+
+def test_nothing_in_the_library_imports_a_command():
+    entry_points = ("lit_titan.cli", "lit_titan.train")
+    offenders = {str(p.relative_to(PACKAGE)): sorted(m for m in _imports(p) if m.startswith(entry_points))
+                 for p in _library()}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_planner_fakes_no_trainer():
+    """The planner asks for the callbacks' transforms with the functions their setup calls (strategies/transforms.py)."""
+    sources = {p.name: p.read_text() for p in (PACKAGE / "planner").glob("*.py")}
+    fakes = ("SimpleNamespace(strategy=", ".setup(", "Trainer(")
+    assert not [name for name, text in sources.items() if any(fake in text for fake in fakes)]
