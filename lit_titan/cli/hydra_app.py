@@ -74,19 +74,19 @@ def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> d
     # A submitit launcher runs through Hydra's multirun machinery, also for a single job.
     multirun = bool(args.multirun) or _launcher_choice(overrides) in SUBMITIT_LAUNCHERS
     mode = RunMode.MULTIRUN if multirun else RunMode.RUN
-    spec = check(hydra, config_name, overrides, mode)
+    specs = check(hydra, config_name, overrides, mode)
     # Hydra would write its record (.hydra/) with the credentials in plain text: it writes none
     # (output_subdir=null) and task() writes it, redacted, where the user asked (record_subdir).
     record = _record_subdir(overrides)
     if multirun:
-        hydra.multirun(config_name=config_name, task_function=partial(task, train=train, record=record),
+        hydra.multirun(config_name=config_name, task_function=partial(task, train=train, record=record, specs=specs),
                        overrides=[*overrides, "hydra.mode=MULTIRUN", _NO_HYDRA_RECORD])
         return {}
     from lit_titan.job.ranks import is_launcher_rank_zero
 
     record = record if is_launcher_rank_zero() else None  # rank 0 records
     _outcome.clear()
-    hydra.run(config_name=config_name, task_function=partial(task, train=train, record=record, spec=spec),
+    hydra.run(config_name=config_name, task_function=partial(task, train=train, record=record, specs=specs),
               overrides=[*overrides, "hydra.mode=RUN", _NO_HYDRA_RECORD])
     if "error" in _outcome:  # re-raised here, not by Hydra, which would print a second line first
         raise _outcome.pop("error")
@@ -138,11 +138,12 @@ def write_record(cfg: DictConfig, hc: Any, subdir: str) -> None:
 
 
 def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | None = None,
-         spec: JobSpec | None = None) -> dict[str, Any]:
+         specs: dict[tuple[str, ...], JobSpec] | None = None) -> dict[str, Any]:
     """Hydra's task function: one job (a run, a sweep point, or one rank of a submitit job).
 
     ``record``: the subdirectory for Hydra's record of this job (written here, redacted), or None.
-    ``spec``: a single run's config as ``check`` validated it, so ``train`` does not check it again.
+    ``specs``: each job's config as ``check`` validated it, by the job's overrides, so ``train`` does not
+    check it again (a job not found there, e.g. one Hydra composed differently, is checked by ``train``).
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -150,6 +151,11 @@ def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | No
     from lit_titan.job.ranks import is_launcher_rank_zero
 
     hc = HydraConfig.get()
+    spec = (specs or {}).get(tuple(hc.overrides.task))
+
+    def checked(cfg: DictConfig) -> dict[str, Any]:
+        return train(cfg, spec=spec) if spec is not None else train(cfg)
+
     if os.environ.get("SUBMITIT_EXECUTOR"):  # one task of a submitit job = one rank
         _slurm_env_from_submitit_local()
     if record is not None and is_launcher_rank_zero():
@@ -158,7 +164,7 @@ def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | No
         cfg.run_dir = str(hc.runtime.output_dir)  # Hydra's run directory is the run's run_dir
     if hc.mode != RunMode.MULTIRUN:
         try:
-            _outcome["summary"] = train(cfg, spec=spec) if spec is not None else train(cfg)
+            _outcome["summary"] = checked(cfg)
         except Exception as err:  # noqa: BLE001 - handed back to run_app, raised there
             _outcome["error"] = err
         return _outcome.get("summary", {})
@@ -167,7 +173,7 @@ def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | No
     shown = redact(list(hc.overrides.task), secrets_of(cfg))
     print(f"lit-titan: sweep job {hc.job.num}: {' '.join(shown)} -> {cfg.run_dir}", flush=True)
     if os.environ.get("SUBMITIT_EXECUTOR"):
-        summary = train(cfg)
+        summary = checked(cfg)
         print(f"lit-titan: task {os.environ.get('SLURM_PROCID')} of {os.environ.get('SLURM_NTASKS')} trained under "
               f"{summary.get('cluster_environment')}", flush=True)
         return summary
@@ -175,7 +181,7 @@ def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | No
         return _run_point_in_subprocess(list(hc.overrides.task), Path(cfg.run_dir))
     saved = os.environ.get(RUN_DIR_ENV)
     try:
-        return train(cfg)
+        return checked(cfg)
     finally:  # the next point (or a later main() call in this process) must not inherit this run_dir
         if saved is None:
             os.environ.pop(RUN_DIR_ENV, None)
@@ -183,25 +189,23 @@ def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | No
             os.environ[RUN_DIR_ENV] = saved
 
 
-def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> JobSpec | None:
+def check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> dict[tuple[str, ...], JobSpec]:
     """Compose and validate every job of the command line (each sweep point) before any of them starts;
-    the JobSpec of a single run (None for a sweep, whose points each check their own again).
+    each job's JobSpec by its overrides (what Hydra hands the task as ``overrides.task``).
 
     Also what the jobs point at (data, tokenizer, run_dir, Float8 hardware: lit_titan/config/inputs.py),
     so nothing, not even Hydra's run directory, is created for a job that cannot run. The answer is the
     same on every rank of a launched job, so only the first prints it (job.ranks.report_user_error).
     """
-    from hydra.types import RunMode
-
     try:
         specs = _check(hydra, config_name, overrides, mode)
     except ValueError as err:  # ConfigError, LayoutError
         err.raised_on_every_rank = True  # type: ignore[attr-defined]
         raise
-    return specs[0] if len(specs) == 1 and mode == RunMode.RUN else None
+    return specs
 
 
-def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> list[JobSpec]:
+def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> dict[tuple[str, ...], JobSpec]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -227,7 +231,7 @@ def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> lis
         if sweeps:
             raise ConfigError(f"{sweeps[0]} lists several values: add -m (--multirun) to run one job per value")
         points = [[o.input_line for o in job]]
-    specs = []
+    specs: dict[tuple[str, ...], JobSpec] = {}
     for point in points:
         with _one_line_errors(hydra, [*overrides, *own, *point]):  # the user's own spelling first
             full = hydra.compose_config(config_name=config_name, overrides=[*own, *point], run_mode=mode,
@@ -239,7 +243,7 @@ def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> lis
         rules.launcher(job_cfg, launcher)
         check_run_dir(job_cfg.get("run_dir"))
         check_inputs(job_cfg, spec.model.vocab_size)
-        specs.append(spec)
+        specs[tuple(point)] = spec
     return specs
 
 

@@ -164,7 +164,7 @@ def attention_backend(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> N
 
 def pipeline_validation(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     from lit_titan.strategies.parallel_dims import LayoutError
-    from lit_titan.strategies.pipeline import V_SHAPED
+    from lit_titan.strategies.settings import V_SHAPED
 
     if dims.pp > 1 and cfg.parallel.pp_schedule in V_SHAPED and cfg.trainer.limit_val_batches:
         raise LayoutError(f"trainer.limit_val_batches={cfg.trainer.limit_val_batches}: validation under "

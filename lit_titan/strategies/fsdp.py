@@ -1,6 +1,7 @@
 """FSDP2 / HSDP application: one unit per block, then embeddings, norm+output, the root.
 
-Also what gradient accumulation does to FSDP's reductions (``GRAD_REDUCE_SCATTER``) and how much
+Also what gradient accumulation does to FSDP's reductions (``parallel.grad_reduce_scatter``, choices in
+``strategies/settings.py``) and how much
 gradient storage a rank really holds (``gradient_storage_bytes``).
 """
 
@@ -11,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from lit_titan.strategies.settings import GRAD_REDUCE_SCATTER  # noqa: F401 - also this module's API
 
 # torch's pipeline stage turns FSDP's gradient sync off for its own micro-batches and reduces at the
 # end of every schedule step (PipelineStage.perform_reduce_grad), overriding block_backward_sync.

@@ -19,8 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lit_titan.strategies.parallel_dims import LayoutError
-from lit_titan.strategies.settings import LOOPED, SINGLE_STAGE, V_SHAPED
-from lit_titan.strategies.settings import PP_SCHEDULES as SCHEDULES
+from lit_titan.strategies.settings import LOOPED, PP_SCHEDULES, SINGLE_STAGE, V_SHAPED
 
 # Split backward into input- and weight-gradients; with FSDP they need reshard_after_forward=False
 # inside stages (else one stage's gradients are wrong or missing, silently), which TitanStrategy therefore
@@ -37,8 +36,8 @@ class PipelineConfig:
 
     def validate(self, pp: int | None = None, n_units: int | None = None, local_batch: int | None = None) -> None:
         """Schedule, stages per rank, and (when given) stage count and micro-batch split."""
-        if self.schedule not in SCHEDULES:
-            raise LayoutError(f"unknown parallel.pp_schedule={self.schedule!r}; choose one of {SCHEDULES}")
+        if self.schedule not in PP_SCHEDULES:
+            raise LayoutError(f"unknown parallel.pp_schedule={self.schedule!r}; choose one of {PP_SCHEDULES}")
         per_rank = self.per_rank
         if self.schedule in SINGLE_STAGE and per_rank != 1:
             raise LayoutError(f"parallel.pp_schedule={self.schedule} runs one stage per rank; set "

@@ -35,7 +35,6 @@ from lit_titan.strategies.context_parallel import ContextParallel
 from lit_titan.strategies.elastic import init_process_group as init_elastic_process_group
 from lit_titan.strategies.elastic import under_torchelastic
 from lit_titan.strategies.fsdp import (
-    GRAD_REDUCE_SCATTER,
     PP_LAST_MICROBATCH,
     FSDPConfig,
     apply_fsdp,
@@ -43,7 +42,7 @@ from lit_titan.strategies.fsdp import (
     mixed_precision_for,
 )
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
-from lit_titan.strategies.settings import ParallelConfig
+from lit_titan.strategies.settings import GRAD_REDUCE_SCATTER, ParallelConfig
 from lit_titan.strategies.pipeline import (
     PipelineConfig,
     PipelineRunner,

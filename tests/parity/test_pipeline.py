@@ -5,7 +5,8 @@ import torch
 
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.plan import pipeline_units
-from lit_titan.strategies.pipeline import SCHEDULES, ZERO_BUBBLE, PipelineConfig, build_rank_model, split_units, stage_ids
+from lit_titan.strategies.pipeline import ZERO_BUBBLE, PipelineConfig, build_rank_model, split_units, stage_ids
+from lit_titan.strategies.settings import PP_SCHEDULES as SCHEDULES
 
 from helpers import TINY, assert_losses_match, losses, read_metrics, run_cli
 from parity import SIX_LAYERS, check_case, run_case, run_reference
