@@ -4,9 +4,10 @@ At ``setup`` the process group and the mesh exist (``TitanStrategy.setup_environ
 is not built yet, so a slow rank or link stops the job before a model, a checkpoint or a metrics
 file exists. The measurements and the verdict are ``lit_titan.observe.diagnostics``.
 
-``fault.slow_rank`` is the drill: that rank's burn-in is made ``fault.slow_factor`` times slower (by sleeping), as a GPU with
-a thermal or clock problem would be; with ``fault.slow_link=intra_node|inter_node`` (or a mesh dim)
-its bandwidth over those groups is slowed instead, as a bad NVLink or NIC would be.
+``fault.slow_rank`` is the drill: that rank's burn-in is made ``fault.slow_factor`` times slower (by
+sleeping), as a GPU with a thermal or clock problem would be; with
+``fault.slow_link=intra_node|inter_node`` (or a mesh dim) its bandwidth over those groups is slowed
+instead, as a bad NVLink or NIC would be.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``lit-titan preflight``: the training job's layout, pre-flight diagnostics only.
 
 The diagnostics live in ``lit_titan.observe.diagnostics`` and their callback in
-``lit_titan.callbacks.preflight`` (training and the config check use them); this module is only the command, which runs ``lit_titan.train``.
+``lit_titan.callbacks.preflight`` (training and the config check use them); this module is only the
+command, which runs ``lit_titan.train``.
 """
 
 from __future__ import annotations

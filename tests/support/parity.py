@@ -218,8 +218,9 @@ CASES: dict[str, list[str]] = {
     "pp2xtp2": ["cluster.devices=4", "parallel.pp=2", "parallel.tp=2"],
     "pp2xdp2xtp2_Interleaved1F1B": ["cluster.devices=8", "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
                                     "parallel.pp_schedule=Interleaved1F1B"],
-    # zero-bubble schedules x FSDP (one stage's gradients silently wrong when FSDP reshards after forward): six layers give each of the 4 stages two FSDP
-    # units, so a stage has a unit that could reshard after forward. Their reference: PARITY + SIX_LAYERS.
+    # zero-bubble schedules x FSDP (one stage's gradients silently wrong when FSDP reshards after
+    # forward): six layers give each of the 4 stages two FSDP units, so a stage has a unit that could
+    # reshard after forward. Their reference: PARITY + SIX_LAYERS.
     "pp2xdp2_InterleavedZeroBubble": [*SIX_LAYERS, "cluster.devices=4", "parallel.pp=2", "parallel.dp_shard=2",
                                       "parallel.pp_schedule=InterleavedZeroBubble"],
     "pp2xdp2_ZBVZeroBubble": [*SIX_LAYERS, "cluster.devices=4", "parallel.pp=2", "parallel.dp_shard=2",
