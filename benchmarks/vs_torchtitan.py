@@ -225,7 +225,7 @@ def _free_port() -> int:
 
 # ---- driver -------------------------------------------------------------------------------------
 def lit_params(args: argparse.Namespace) -> int:
-    from lit_titan.callbacks.throughput import count_params
+    from lit_titan.models.llama3.flops import count_params
     from lit_titan.models.llama3 import get_flavor
 
     if args.cpu_smoke:

@@ -17,16 +17,11 @@ from lit_titan.schema_check import check_schema, compose_error_line
 # The model, strategy and optimizer modules import torch and Lightning (seconds): they are imported
 # where a config is validated, so `--help` and the Hydra app's own displays stay fast.
 if TYPE_CHECKING:
-    from lit_titan.models.llama3 import ModelArgs
+    from lit_titan.models.registry import ModelArgsLike as ModelArgs
     from lit_titan.strategies.parallel_dims import ParallelDims
     from lit_titan.strategies.pipeline import PipelineConfig
 
 RUN_DIR_ENV = "LIT_TITAN_RUN_DIR"
-MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
-                  "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "attention", "parallel_block",
-                  "sliding_window", "window_pattern")
-# Keys whose null is a value (no rotary scaling), not "the flavor's default": passed whenever present.
-MODEL_NULLABLE_KEYS = ("rope_scaling",)
 
 
 def conf_dir() -> Path:
@@ -87,14 +82,19 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
 
 
 def model_args(cfg: DictConfig) -> ModelArgs:
-    from lit_titan.models.llama3 import get_flavor
+    from lit_titan.models.registry import model_args as flavor_args
 
-    return get_flavor(cfg.model.name, **model_overrides(cfg))
+    return flavor_args(cfg.model.name, **model_overrides(cfg))
 
 
 def model_overrides(cfg: DictConfig) -> dict[str, Any]:
-    out = {k: cfg.model[k] for k in MODEL_ARG_KEYS if cfg.model.get(k) is not None}
-    for k in MODEL_NULLABLE_KEYS:
+    """The ``model.*`` keys that override the flavor's arguments (its family's argument names); a key
+    whose null is a value (no rotary scaling), not "the flavor's default", is passed whenever present."""
+    from lit_titan.models.registry import spec_for
+
+    spec = spec_for(cfg.model.name)
+    out = {k: cfg.model[k] for k in spec.arg_keys if k not in spec.nullable_keys and cfg.model.get(k) is not None}
+    for k in spec.nullable_keys:
         if k in cfg.model:
             value = cfg.model[k]
             out[k] = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
@@ -149,7 +149,7 @@ def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
     check_schema(cfg)
     try:
         args = model_args(cfg)
-    except ValueError as err:  # the model's own argument checks (models/llama3/args.py)
+    except ValueError as err:  # the flavor lookup and the model's own argument checks (models/<family>/args.py)
         text = str(err)
         raise ConfigError(text if "; " in text else f"{text}; change the model.* keys named (conf/model/"
                                                     f"{cfg.model.name}.yaml has the flavor's)") from err
@@ -167,13 +167,19 @@ def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         raise ConfigError(f"data.tokenizer.vocab_size={tok.vocab_size}: larger than model.vocab_size="
                           f"{args.vocab_size}, token ids would index past the embedding; use "
                           f"data.tokenizer.vocab_size<={args.vocab_size} or raise model.vocab_size")
-    if args.sliding_window is not None and args.sliding_window > seq_len:
-        raise ConfigError(f"model.sliding_window={args.sliding_window}: exceeds data.seq_len={seq_len} (the window "
+    window = getattr(args, "sliding_window", None)  # families without windowed attention lack the key
+    if window is not None and window > seq_len:
+        raise ConfigError(f"model.sliding_window={window}: exceeds data.seq_len={seq_len} (the window "
                           f"would be the whole sequence); lower model.sliding_window or set it to null for full attention")
     if cfg.model.get("init_from_hf"):
-        from lit_titan.models.llama3.hf import check_hf_dir  # lazy: only runs that start from HF weights
+        from lit_titan.models.registry import hf_adapter  # lazy: only runs that start from HF weights
 
-        check_hf_dir(str(cfg.model.init_from_hf), args)  # FileNotFoundError / ConfigError naming the fix
+        where = f"model.init_from_hf={cfg.model.init_from_hf}"
+        try:
+            adapter = hf_adapter(args, where)
+        except ValueError as err:
+            raise ConfigError(f"{err}; set model.init_from_hf=null") from err
+        adapter.check_hf_dir(str(cfg.model.init_from_hf), args)  # FileNotFoundError / ConfigError naming the fix
     try:
         check_optim(str(cfg.optim.get("name", "adamw")), cfg.optim.betas)
     except ValueError as err:
@@ -195,11 +201,11 @@ def _validate(cfg: DictConfig) -> tuple[ModelArgs, ParallelDims]:
         raise ConfigError("data.document_masking=true: not supported with parallel.cp > 1 (CP's all-gather-KV "
                           "attention receives no document ids and would need the block mask split per chunk); "
                           "set data.document_masking=false or parallel.cp=1")
-    if args.attention == "flex" and str(cfg.cluster.get("accelerator", "")) == "cpu":
+    if getattr(args, "attention", "sdpa") == "flex" and str(cfg.cluster.get("accelerator", "")) == "cpu":
         raise ConfigError("model.attention=flex: cannot train on CPU, torch's flex_attention has no CPU backward "
                           "(torch 2.15); use model.attention=sdpa (document masking then uses a dense mask) "
                           "or a GPU cluster profile")
-    if args.attention == "flex" and dims.cp > 1:
+    if getattr(args, "attention", "sdpa") == "flex" and dims.cp > 1:
         raise ConfigError("model.attention=flex: not supported with parallel.cp > 1 (CP's attention is SDPA); "
                           "set model.attention=sdpa")
     if cfg.data.get("document_positions") and dims.cp > 1:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from lit_titan.log_cadence import forget_logged, is_logging_step
 from lit_titan.loss import at_least_fp32, resolve_chunk_tokens
-from lit_titan.models.llama3 import Transformer, get_flavor
+from lit_titan.models import registry
 from lit_titan.optim import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.observe.phases import PhaseClock, phase
 from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_norm
@@ -47,7 +47,7 @@ class PretrainModule(L.LightningModule):
         self.save_hyperparameters({"model": model, "model_overrides": dict(model_overrides or {}),
                                    "optim": asdict(optim), "seed": seed, "init_from_hf": init_from_hf,
                                    "loss_chunk_tokens": loss_chunk_tokens})
-        self.model_args = get_flavor(model, **dict(model_overrides or {}))
+        self.model_args = registry.model_args(model, **dict(model_overrides or {}))
         self.loss_chunk_tokens = resolve_chunk_tokens(loss_chunk_tokens, self.model_args.vocab_size)
         self.optim_config = optim
         self.seed = seed
@@ -61,7 +61,7 @@ class PretrainModule(L.LightningModule):
     # ---- override points ------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
         """The network to train; built under the meta device, so allocate nothing real here."""
-        return Transformer(self.model_args)
+        return registry.build_model(self.model_args)
 
     def compute_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Next-token cross-entropy, mean over this micro-batch's tokens.
@@ -98,9 +98,8 @@ class PretrainModule(L.LightningModule):
         into FSDP/TP/PP-sharded parameters. A resumed run overwrites these weights afterwards.
         """
         if self.init_from_hf:
-            from lit_titan.models.llama3.hf import load_hf_weights
-
-            load_hf_weights(self.model, self.init_from_hf)
+            adapter = registry.hf_adapter(self.model_args, f"model.init_from_hf={self.init_from_hf}")
+            adapter.load_hf_weights(self.model, self.init_from_hf)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = self.build_optimizer()

@@ -11,7 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from lit_titan.callbacks.activation_checkpointing import apply_activation_checkpointing
 from lit_titan.models.init import canonical_name
 from lit_titan.models.llama3 import Transformer, get_flavor
-from lit_titan.models.llama3.plan import LLAMA3_PLAN
+from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
 
 from helpers import TINY, assert_losses_match, losses
 

@@ -175,7 +175,7 @@ def test_report_plots_the_runs_own_numbers(observed_run, tmp_path):
     assert not re.search(r"(src|href)=['\"]https?://", page)
     assert "profile/step-000003/rank-1.json.gz" in page and "dp_shard: 2" in page
     # the run's figures (summary.json) and the model's shape from its flavor, not only its name
-    from lit_titan.callbacks.throughput import count_params
+    from lit_titan.models.registry import count_params
     from lit_titan.config import compose, model_args
 
     args = model_args(compose(TWO_RANKS))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from helpers import TINY, assert_losses_match, losses
-from lit_titan.callbacks.throughput import flops_per_token
+from lit_titan.models.llama3.flops import flops_per_token
 from lit_titan.config import compose, validate
 from lit_titan.errors import ConfigError
 from lit_titan.models.llama3 import Transformer, get_flavor

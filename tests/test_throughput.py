@@ -12,13 +12,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 import lit_titan
-from lit_titan.callbacks.throughput import (
-    ThroughputMonitor,
-    count_params,
-    flops_per_token,
-    peak_bf16_tflops,
-    per_device_throughput,
-)
+from lit_titan.callbacks.throughput import ThroughputMonitor, peak_bf16_tflops, per_device_throughput
+from lit_titan.models.llama3.flops import count_params, flops_per_token
 from lit_titan.models.llama3 import Transformer, get_flavor
 
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}

@@ -14,7 +14,7 @@ class Compile(L.Callback):
 
     Applied by the strategy after TP and activation checkpointing and before FSDP. Safe with TP
     because the residual stream between blocks stays a Shard(1) DTensor (see
-    lit_titan/models/llama3/plan.py; local tensors there train silently wrong under compile).
+    lit_titan/models/llama3/parallelize.py; local tensors there train silently wrong under compile).
     """
 
     def __init__(self, fullgraph: bool = True, backend: str = "inductor", mode: str | None = None,

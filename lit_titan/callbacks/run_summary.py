@@ -54,7 +54,7 @@ class RunSummary(L.Callback):
         tokens_per_step = getattr(pl_module, "_tokens_per_step", 0)
         loss = trainer.callback_metrics.get("train/loss")
         mfu = trainer.callback_metrics.get("perf/mfu")
-        from lit_titan.callbacks.throughput import count_params
+        from lit_titan.models.registry import count_params
 
         args = getattr(pl_module, "model_args", None)
         dims = getattr(trainer.strategy, "parallel_dims", None)

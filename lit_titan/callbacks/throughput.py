@@ -10,18 +10,8 @@ row (e.g. ``metrics.csv``) as ``train/loss`` of that step, averaged over the ste
   only on devices listed in ``PEAK_BF16_TFLOPS`` (never on CPU or unknown GPUs);
 - ``perf/max_memory_allocated_gib`` / ``perf/max_memory_reserved_gib``: CUDA only.
 
-Model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; the same formula as TorchTitan's
-``get_num_flop_per_token``)::
-
-    flops_per_token = 6 * (N - N_embedding) + 12 * n_layers * n_heads * head_dim * seq_len
-
-``N`` counts the parameters of the *whole* model (not this rank's FSDP shard / TP slice / PP
-stage) and ``N_embedding = vocab_size * dim`` is the input embedding table (a lookup, no matmul);
-the output head is a matmul and counts. ``6 * N`` is forward (2) + backward (4) FLOPs of the
-weight matmuls per token; the second term is the attention score / value matmuls (QK^T and AV,
-forward + backward) over the full sequence, without discounting the causal mask (as PaLM and
-TorchTitan do). Activation recomputation is not counted: these are *model* FLOPs, hence MFU,
-not hardware FLOPs utilisation.
+Model FLOPs per token come from the model family (``lit_titan.models.registry.flops_per_token``;
+Llama's formula: ``models/llama3/flops.py``).
 """
 
 from __future__ import annotations
@@ -34,12 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from lit_titan.log_cadence import forget_logged, is_logging_step
+from lit_titan.models.registry import count_params, flops_per_token
 
 __all__ = [
     "PEAK_BF16_TFLOPS",
     "ThroughputMonitor",
-    "count_params",
-    "flops_per_token",
     "peak_bf16_tflops",
     "per_device_throughput",
 ]
@@ -85,35 +74,6 @@ def peak_bf16_tflops(device_name: str | None) -> float | None:
         if key.lower() in name:
             return tflops
     return None
-
-
-def count_params(model_args: Any) -> int:
-    """Parameters of the whole Llama 3 ``Transformer`` built from ``model_args`` (untied output head).
-
-    Equals ``sum(p.numel() for p in Transformer(model_args).parameters())``.
-    """
-    dim, hd = model_args.dim, model_args.head_dim
-    attention = dim * model_args.n_heads * hd * 2 + dim * model_args.kv_heads * hd * 2  # wq, wo, wk, wv
-    ffn = 3 * dim * model_args.ffn_hidden_dim  # w1, w2, w3
-    norms = 1 if getattr(model_args, "parallel_block", False) else 2  # the parallel block has one norm
-    block = attention + ffn + norms * dim  # + attention_norm, ffn_norm
-    return model_args.n_layers * block + 2 * model_args.vocab_size * dim + dim  # embedding, output, norm
-
-
-def flops_per_token(model_args: Any, seq_len: int, num_params: int | None = None) -> float:
-    """Training (forward + backward) model FLOPs per token (PaLM appendix B / TorchTitan).
-
-    ``6 * (N - vocab_size * dim) + 12 * n_heads * head_dim * sum over layers of keys``, with ``N`` the
-    whole model's parameter count (``num_params``, or analytically from ``model_args``) and keys per
-    query counted as the convention does (``seq_len``, the causal half not subtracted) for a global layer
-    and ``min(window, seq_len)`` for a sliding-window layer (``model.sliding_window``).
-    """
-    n = count_params(model_args) if num_params is None else int(num_params)
-    n_embedding = model_args.vocab_size * model_args.dim
-    window_of = getattr(model_args, "window_of", lambda layer: None)
-    keys = sum(seq_len if window_of(i) is None else min(window_of(i), seq_len) for i in range(model_args.n_layers))
-    attention = 12 * model_args.n_heads * model_args.head_dim * keys
-    return float(6 * (n - n_embedding) + attention)
 
 
 def per_device_throughput(global_tokens: float, step_seconds: float, world_size: int, flops_per_token: float,

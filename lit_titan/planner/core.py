@@ -57,7 +57,7 @@ def _instantiate_callbacks(cfg: DictConfig, reasons: list[str]) -> list:
 def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
                        eff: estimate.Efficiencies | None = None) -> dict[str, Any]:
     """The one-layout plan of ``cfg``; ``eff``: the step-time model's efficiencies (a calibration)."""
-    from lit_titan.callbacks.throughput import flops_per_token
+    from lit_titan.models.registry import flops_per_token
     from lit_titan.config import model_args, parallel_dims, world_size
     from lit_titan.planner.build import build_layout
 
@@ -80,7 +80,7 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     _checks(cfg, args, dims, reasons)
     callbacks = _instantiate_callbacks(cfg, reasons)
     seq_len = int(cfg.data.seq_len)
-    from lit_titan.callbacks.throughput import count_params
+    from lit_titan.models.registry import count_params
 
     plan["params_total"] = count_params(args)
     plan["flops_per_token"] = flops_per_token(args, seq_len, num_params=plan["params_total"])

@@ -169,7 +169,7 @@ def _capacity(cluster: dict[str, Any]) -> float | None:
 def search(cfg: DictConfig, overrides: list[str], *, eff: estimate.Efficiencies | None = None, top: int = 10,
            confirm: int = 3) -> dict[str, Any]:
     """Rank every valid layout of ``cfg``'s model on its cluster; raise ConfigError when none fits."""
-    from lit_titan.callbacks.throughput import count_params, flops_per_token
+    from lit_titan.models.registry import count_params, flops_per_token
     from lit_titan.config import model_args, world_size
     from lit_titan.planner.core import _optimizer_implementation
 
