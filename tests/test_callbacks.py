@@ -12,6 +12,8 @@ from lit_titan.callbacks.activation_checkpointing import apply_activation_checkp
 from lit_titan.models.init import canonical_name
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
+from lit_titan.strategies import TitanStrategy
+from lit_titan.strategies.parallel_dims import ParallelDims
 
 from helpers import TINY, assert_losses_match, losses
 
@@ -59,7 +61,8 @@ def test_callbacks_refuse_strategies_that_cannot_apply_them():
 
 
 def test_compile_refuses_context_parallel():
-    strategy = SimpleNamespace(register_transform=lambda *a: None, parallel_dims=SimpleNamespace(cp=2))
+    strategy = TitanStrategy(cp=2)
+    strategy.parallel_dims = ParallelDims.resolve(4, cp=2)
     with pytest.raises(NotImplementedError, match="parallel.cp"):
         Compile().setup(SimpleNamespace(strategy=strategy), None, "fit")
 

@@ -24,7 +24,7 @@ class Compile(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         strategy = transform_strategy(trainer, "Compile")
-        dims = getattr(strategy, "parallel_dims", None)
+        dims = strategy.parallel_dims
         if dims is not None and dims.cp > 1:
             raise NotImplementedError("Compile with context parallelism (parallel.cp > 1) is not supported yet: the "
                                       "all-gather-KV attention runs collectives inside an autograd Function; drop "

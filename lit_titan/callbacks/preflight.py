@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from lit_titan.errors import ConfigError
+from lit_titan.strategies.contract import contract
 
 ACTIONS = ("warn", "stop")
 NODE_LINKS = ("intra_node", "inter_node")
@@ -232,7 +233,7 @@ class Preflight(L.Callback):
         self.result: dict[str, Any] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        mesh = getattr(trainer.strategy, "_device_mesh", None)
+        mesh = contract(trainer.strategy).mesh
         if mesh is None or not dist.is_initialized():
             return  # one process without a mesh: nothing to compare
         t0 = time.perf_counter()

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lit_titan.log_cadence import forget_logged, is_logging_step
 from lit_titan.models.registry import count_params, flops_per_token
+from lit_titan.strategies.contract import contract
 
 __all__ = [
     "PEAK_BF16_TFLOPS",
@@ -176,7 +177,7 @@ class ThroughputMonitor(L.Callback):
 
         # Global tokens of the window: this rank's (micro * seq_len per micro-batch, summed over the
         # accumulation windows) times the data-parallel size; tp/cp/pp peers see the same batch.
-        dp = getattr(trainer.strategy, "data_parallel_size", None) or trainer.world_size
+        dp = contract(trainer.strategy).data_parallel_size
         global_tokens = window_tokens * dp
         # Per device: global tokens / world size. Lightning's ThroughputMonitor multiplies the
         # per-rank count by the world size and so over-counts TP/CP/PP peers that process the

@@ -165,10 +165,10 @@ class PretrainDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             return 0, 1
-        strategy = trainer.strategy
-        if hasattr(strategy, "data_parallel_rank") and hasattr(strategy, "data_parallel_size"):
-            return int(strategy.data_parallel_rank), int(strategy.data_parallel_size)
-        return trainer.global_rank, trainer.world_size
+        from lit_titan.strategies.contract import contract
+
+        strategy = contract(trainer.strategy)
+        return strategy.data_parallel_rank, strategy.data_parallel_size
 
     @property
     def micro_batch_size(self) -> int:
