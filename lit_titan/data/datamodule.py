@@ -366,9 +366,10 @@ class PretrainDataModule(L.LightningDataModule):
         """
         if self.pin_memory is not None:
             return bool(self.pin_memory)
-        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
-        if device is not None:
-            return device.type == "cuda"
+        if self.trainer is not None:
+            from lit_titan.strategies.contract import contract
+
+            return contract(self.trainer.strategy).root_device.type == "cuda"
         return torch.cuda.is_available()
 
     # ---- exact resume by counter -----------------------------------------------------

@@ -57,7 +57,9 @@ class ModelSpec:
     plan: ParallelPlan  # TP styles, blocks, FSDP / pipeline units (strategies/plan.py)
     hf: HFAdapter | None  # None: no Hugging Face counterpart (export and init_from_hf refuse it)
     count_params: Callable[[Any], int]  # whole model, analytic
-    flops_per_token: Callable[..., float]  # (args, seq_len, num_params=None): training model FLOPs
+    # (args, seq_len, num_params=None): training model FLOPs per token; num_params is the whole model's
+    # count when measured on a built model; a family whose FLOPs are not 6N (MoE: active) may ignore it
+    flops_per_token: Callable[..., float]
     # model.* keys whose null is a value (e.g. no rotary scaling), passed even when null
     nullable_keys: tuple[str, ...] = ()
 
@@ -108,10 +110,11 @@ def spec_for(flavor: str) -> ModelSpec:
 
 
 def spec_of(args: Any) -> ModelSpec:
-    """The family whose arguments ``args`` are."""
-    for spec in families():
-        if isinstance(args, spec.args):
-            return spec
+    """The family whose arguments ``args`` are (its own class first, then a subclass of one)."""
+    for match in (lambda spec: type(args) is spec.args, lambda spec: isinstance(args, spec.args)):
+        for spec in families():
+            if match(spec):
+                return spec
     raise TypeError(f"{type(args).__name__} is not the arguments of a registered model family "
                     f"({', '.join(FAMILIES)}); add the family to lit_titan.models.registry.FAMILIES")
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed
     from lightning.fabric.plugins.environments import ClusterEnvironment
     from lightning.pytorch.strategies import Strategy
@@ -58,7 +59,14 @@ class StrategyContract(Protocol):
         """True when ``register_transform`` applies transforms in the strategy's fixed order."""
         ...
 
+    @property
+    def root_device(self) -> torch.device: ...
+
     def register_transform(self, slot: str, fn: Callable[..., None]) -> None: ...
+
+    def register_tp_style_rewrite(self, fn: Callable[..., Any]) -> None:
+        """Rewrite the plan's TP styles (Float8's float8 TP) before tensor parallel is applied."""
+        ...
 
 
 class PlainStrategy:
@@ -91,8 +99,15 @@ class PlainStrategy:
 
         return self._strategy.cluster_environment if isinstance(self._strategy, ParallelStrategy) else None
 
+    @property
+    def root_device(self) -> torch.device:
+        return self._strategy.root_device
+
     def register_transform(self, slot: str, fn: Callable[..., None]) -> None:
         raise TypeError(f"{type(self._strategy).__name__} cannot apply lit-titan transforms; use TitanStrategy")
+
+    def register_tp_style_rewrite(self, fn: Callable[..., Any]) -> None:
+        self.register_transform("tp_style_rewrite", fn)
 
 
 def contract(strategy: Any) -> StrategyContract:
