@@ -98,9 +98,10 @@ def test_a_second_family_is_one_registry_entry(toy_family: None, tmp_path: Path)
                             optim={"lr": 1e-2, "warmup_steps": 1, "total_steps": 2})
     tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        default_root_dir=tmp_path)
-    trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=2))
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                        num_sanity_val_steps=0, default_root_dir=tmp_path)
+    loader = torch.utils.data.DataLoader(tokens, batch_size=2)
+    trainer.fit(module, loader, loader)
     assert isinstance(module.model, ToyModel) and trainer.global_step == 2
     assert isinstance(module.strategy_contract, PlainStrategy)
 
