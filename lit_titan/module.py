@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lit_titan.observe.log_cadence import forget_logged, is_logging_step
+from lit_titan.models import registry
 from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
-from lit_titan.models.llama3 import Transformer, get_flavor
+from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.optim.build import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.observe.phases import PhaseClock, phase
+from lit_titan.strategies.contract import StrategyContract, contract
 from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_norm
 
 
@@ -47,7 +48,7 @@ class PretrainModule(L.LightningModule):
         self.save_hyperparameters({"model": model, "model_overrides": dict(model_overrides or {}),
                                    "optim": asdict(optim), "seed": seed, "init_from_hf": init_from_hf,
                                    "loss_chunk_tokens": loss_chunk_tokens})
-        self.model_args = get_flavor(model, **dict(model_overrides or {}))
+        self.model_args = registry.model_args(model, **dict(model_overrides or {}))
         self.loss_chunk_tokens = resolve_chunk_tokens(loss_chunk_tokens, self.model_args.vocab_size)
         self.optim_config = optim
         self.seed = seed
@@ -61,7 +62,7 @@ class PretrainModule(L.LightningModule):
     # ---- override points ------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
         """The network to train; built under the meta device, so allocate nothing real here."""
-        return Transformer(self.model_args)
+        return registry.build_model(self.model_args)
 
     def compute_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Next-token cross-entropy, mean over this micro-batch's tokens.
@@ -86,7 +87,7 @@ class PretrainModule(L.LightningModule):
             self.model = self.build_model()
         if self.loss_in_model:
             self.model.output.chunk_tokens = self.loss_chunk_tokens
-        if not getattr(self.trainer.strategy, "owns_parallelization", False):
+        if not self.strategy_contract.owns_parallelization:
             self.model.to_empty(device=self.trainer.strategy.root_device)
             self.model.init_weights(self.seed)
             self.load_initial_weights()
@@ -98,9 +99,8 @@ class PretrainModule(L.LightningModule):
         into FSDP/TP/PP-sharded parameters. A resumed run overwrites these weights afterwards.
         """
         if self.init_from_hf:
-            from lit_titan.models.llama3.hf import load_hf_weights
-
-            load_hf_weights(self.model, self.init_from_hf)
+            adapter = registry.hf_adapter(self.model_args, f"model.init_from_hf={self.init_from_hf}")
+            adapter.load_hf_weights(self.model, self.init_from_hf)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = self.build_optimizer()
@@ -188,11 +188,8 @@ class PretrainModule(L.LightningModule):
         data-parallel group (``sync_dist``) and the host-to-device copies of Python numbers that
         ``self.log`` makes. Other steps issue no collective and read nothing back to the host.
         """
-        grads_owner = self.trainer.strategy
         with phase(self, "grad_clip"):
-            self._last_grad_norm = total_grad_norm(
-                list(self.parameters()), pp_group=getattr(grads_owner, "pp_group", None)
-            )
+            self._last_grad_norm = total_grad_norm(list(self.parameters()), pp_group=self.strategy_contract.pp_group)
         if is_logging_step(self.trainer, self.global_step + 1):
             step_loss = self._step_loss / max(self._micro_batches, 1)
             self.log("train/loss", step_loss, sync_dist=True, prog_bar=True, on_step=True, on_epoch=False)
@@ -206,7 +203,7 @@ class PretrainModule(L.LightningModule):
         # Lightning zeroes gradients between training_step and backward; under pipeline
         # parallelism the schedule runs backward inside training_step, so the strategy zeroes
         # them itself before the schedule, at the start of each accumulation window.
-        if getattr(self.trainer.strategy, "backward_in_training_step", False):
+        if self.strategy_contract.backward_in_training_step:
             return
         optimizer.zero_grad()
 
@@ -222,9 +219,14 @@ class PretrainModule(L.LightningModule):
             clip_grads_with_norm_(params, gradient_clip_val, self._last_grad_norm)
 
     # ---- helpers --------------------------------------------------------------------------------
+    @property
+    def strategy_contract(self) -> StrategyContract:
+        """What this module may ask of the trainer's strategy (strategies/contract.py)."""
+        return contract(self.trainer.strategy)
+
     def _tokens_per_step_accumulate(self, inputs: Tensor) -> None:
         if self.global_step == 0 or not self._tokens_per_step:
-            dp = getattr(self.trainer.strategy, "data_parallel_size", self.trainer.world_size)
+            dp = self.strategy_contract.data_parallel_size
             accum = self.trainer.accumulate_grad_batches
             self._tokens_per_step = inputs.numel() * dp * accum
 

@@ -21,6 +21,7 @@ import lightning as L
 from lit_titan.callbacks.watchdog import Watchdog
 from lit_titan.checkpoint import step_dir_name
 from lit_titan.checkpoint.disk import expected_state, planned_saves
+from lit_titan.strategies.contract import contract
 
 
 class Checkpointing(L.Callback):
@@ -45,7 +46,7 @@ class Checkpointing(L.Callback):
         self._last_saved = -1
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        writer = getattr(trainer.strategy, "checkpoint_writer", None)
+        writer = contract(trainer.strategy).checkpoint_writer
         if writer is None:
             raise TypeError(f"Checkpointing needs lit_titan's TitanStrategy (got {type(trainer.strategy).__name__})")
         writer.async_save, writer.keep_last = self.async_save, self.keep_last

@@ -26,6 +26,7 @@ from typing import Any
 import lightning as L
 
 from lit_titan.checkpoint.layout import staged_step
+from lit_titan.strategies.contract import contract
 
 
 class FaultInjection(L.Callback):
@@ -46,7 +47,7 @@ class FaultInjection(L.Callback):
         self._rank = trainer.global_rank
         # Under torchrun the strategy knows the attempt every node agrees on; an agent's own
         # TORCHELASTIC_RESTART_COUNT stays 0 when it restarted only because another node failed.
-        attempt = getattr(trainer.strategy, "restart_attempt", None)
+        attempt = contract(trainer.strategy).restart_attempt
         if attempt is not None:
             self.armed = attempt == 0
         if self.save_error is not None:

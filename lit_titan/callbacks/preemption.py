@@ -32,6 +32,7 @@ from typing import Any
 import lightning as L
 
 from lit_titan.errors import REQUEUE_EXIT_CODE, Preempted
+from lit_titan.strategies.contract import contract
 
 __all__ = ["Preempted", "Preemption", "REQUEUE_EXIT_CODE", "request_stop"]
 
@@ -102,7 +103,7 @@ class Preemption(L.Callback):
                 signal.signal(signum, self._on_signal)
 
     def _signals(self, trainer: L.Trainer) -> set[int]:
-        env = getattr(trainer.strategy, "cluster_environment", None)
+        env = contract(trainer.strategy).cluster_environment
         requeue = getattr(env, "requeue_signal", None)
         return {*self.SIGNALS, *([requeue] if requeue is not None else [])}
 
@@ -190,7 +191,7 @@ def _launcher_pid(trainer: L.Trainer) -> int | None:
     """
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    env = getattr(trainer.strategy, "cluster_environment", None)
+    env = contract(trainer.strategy).cluster_environment
     if type(env) is LightningEnvironment and trainer.local_rank > 0:
         return os.getppid()
     return None
@@ -205,7 +206,7 @@ def _slurm_requeue(trainer: L.Trainer, signum: int | None) -> None:
     """
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    env = getattr(trainer.strategy, "cluster_environment", None)
+    env = contract(trainer.strategy).cluster_environment
     if not (isinstance(env, SLURMEnvironment) and env.auto_requeue and signum == env.requeue_signal):
         return
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")

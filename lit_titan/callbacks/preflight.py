@@ -21,6 +21,7 @@ import lightning as L
 import torch.distributed as dist
 
 from lit_titan.observe.diagnostics import PreflightError, PreflightFinished, best_of, judge, measure, node_groups
+from lit_titan.strategies.contract import contract
 
 __all__ = ["Preflight"]
 
@@ -37,7 +38,7 @@ class Preflight(L.Callback):
         self.result: dict[str, Any] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        mesh = getattr(trainer.strategy, "_device_mesh", None)
+        mesh = contract(trainer.strategy).mesh
         if mesh is None or not dist.is_initialized():
             return  # one process without a mesh: nothing to compare
         t0 = time.perf_counter()

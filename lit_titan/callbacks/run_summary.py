@@ -16,6 +16,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_titan.observe.redact import MASK
+from lit_titan.strategies.contract import contract
 
 __all__ = ["RunSummary", "SUMMARY_FILE"]
 
@@ -54,10 +55,10 @@ class RunSummary(L.Callback):
         tokens_per_step = getattr(pl_module, "_tokens_per_step", 0)
         loss = trainer.callback_metrics.get("train/loss")
         mfu = trainer.callback_metrics.get("perf/mfu")
-        from lit_titan.models.llama3.flops import count_params
+        from lit_titan.models.registry import count_params
 
         args = getattr(pl_module, "model_args", None)
-        dims = getattr(trainer.strategy, "parallel_dims", None)
+        dims = contract(trainer.strategy).parallel_dims
         self.summary = {
             "parameters": count_params(args) if args is not None else None,
             "layout": {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} if dims else None,
@@ -70,7 +71,7 @@ class RunSummary(L.Callback):
             "mfu": float(mfu) if mfu is not None else None,
             "run_dir": self.run_dir,
             # which launcher Lightning recognised (SLURMEnvironment under Slurm/submitit, TorchElastic, ...)
-            "cluster_environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
+            "cluster_environment": type(contract(trainer.strategy).cluster_environment).__name__,
             "continue_command": self.continue_command,
         }
         if trainer.is_global_zero and self.run_dir:  # what `lit-titan report` shows beside the curves

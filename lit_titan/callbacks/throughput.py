@@ -6,7 +6,7 @@ row (e.g. ``metrics.csv``) as ``train/loss`` of that step, averaged over the ste
 ``perf/tokens_per_sec_per_device``, ``perf/tflops_per_device``, ``perf/mfu`` (only on devices
 with a known peak: never on CPU or unknown GPUs) and, on CUDA, ``perf/max_memory_allocated_gib`` /
 ``perf/max_memory_reserved_gib``. The maths is ``lit_titan.observe.throughput``; the model's FLOPs
-per token ``lit_titan.models.llama3.flops``. This file only hooks them into Lightning.
+per token the model family's (``lit_titan.models.registry.flops_per_token``). This file only hooks them into Lightning.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import lightning as L
 import torch
 from torch import nn
 
-from lit_titan.models.llama3.flops import count_params, flops_per_token
+from lit_titan.models.registry import count_params, flops_per_token
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.throughput import Mark, batch_tokens, peak_bf16_tflops, per_device_throughput
+from lit_titan.strategies.contract import contract
 
 __all__ = ["ThroughputMonitor"]
 
@@ -110,7 +111,7 @@ class ThroughputMonitor(L.Callback):
 
         # Global tokens of the window: this rank's (micro * seq_len per micro-batch, summed over the
         # accumulation windows) times the data-parallel size; tp/cp/pp peers see the same batch.
-        dp = getattr(trainer.strategy, "data_parallel_size", None) or trainer.world_size
+        dp = contract(trainer.strategy).data_parallel_size
         global_tokens = window_tokens * dp
         # Per device: global tokens / world size. Lightning's ThroughputMonitor multiplies the
         # per-rank count by the world size and so over-counts TP/CP/PP peers that process the

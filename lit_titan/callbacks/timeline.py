@@ -33,6 +33,7 @@ import lightning as L
 import torch
 
 from lit_titan.observe.phases import PHASES, PhaseClock, StepTimes
+from lit_titan.strategies.contract import contract
 
 __all__ = ["TIMELINE_COLUMNS", "Timeline"]
 
@@ -61,7 +62,7 @@ class Timeline(L.Callback):
         device = trainer.strategy.root_device
         self.clock = PhaseClock(device)
         pl_module.phase_clock = self.clock
-        self._pipeline = bool(getattr(trainer.strategy, "backward_in_training_step", False))
+        self._pipeline = contract(trainer.strategy).backward_in_training_step
         self.path = Path(self.run_dir or trainer.default_root_dir).expanduser() / "timeline" / \
             f"rank-{trainer.global_rank}.csv"
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
-"""``lit-titan export CHECKPOINT_DIR OUT_DIR``: a training checkpoint as a Hugging Face Llama.
+"""``lit-titan export CHECKPOINT_DIR OUT_DIR``: a training checkpoint as a Hugging Face model directory.
 
 Writes ``config.json`` and the weights as safetensors (``model.safetensors``, or
 ``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json`` past ``--max-shard-size``)
-that ``transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)`` loads, and that training can start
+that transformers loads (Llama: ``LlamaForCausalLM.from_pretrained(OUT_DIR)``), and that training can start
 from with ``model.init_from_hf=OUT_DIR``.
 
     lit-titan export runs/my-run/checkpoints/step-000100 hf/my-model
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from lit_titan.errors import ConfigError, UserError
+from lit_titan.models import hf_io, registry
 from lit_titan.models.init import canonical_name
-from lit_titan.models.llama3 import ModelArgs
-from lit_titan.models.llama3 import hf
+from lit_titan.models.registry import ModelArgsLike as ModelArgs
 
 MODEL_PREFIX = "state_dict.model."  # where Lightning's DCP checkpoints keep the model's weights
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -123,22 +123,29 @@ def resolve_model_args(ckpt: Path, flavor: str | None, overrides: list[str]) -> 
             cfg = OmegaConf.merge(OmegaConf.load(config_yaml), OmegaConf.from_dotlist(overrides))
         except (OmegaConfBaseException, ValueError) as err:
             raise ExportError(f"cannot read the model config from {config_yaml}: {err}") from err
-    from lit_titan.models.llama3.hf import check_hf_expressible
-
     try:
         args = model_args(cfg)
+        adapter = registry.hf_adapter(args, "export")
     except (ValueError, OmegaConfBaseException) as err:
         raise ConfigError(str(err)) from err
-    check_hf_expressible(args, "export")
+    adapter.check_hf_expressible(args, "export")
     return args
+
+
+def param_shapes(args: ModelArgs) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(parameter name -> shape in the model's order, names that alias a parameter: a tied head)."""
+    with torch.device("meta"):
+        model = registry.build_model(args)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return shapes, set(model.state_dict()) - set(shapes)
 
 
 def check_shapes(tensors: dict[str, tuple[str, Any]], args: ModelArgs) -> None:
     """The checkpoint holds exactly the model's parameters, with its shapes."""
-    expected = hf.param_shapes(args)
+    expected, aliases = param_shapes(args)
     missing = sorted(set(expected) - set(tensors))
     # A tied head shares the embedding's weight: a state dict may list it under both names.
-    extra = sorted(set(tensors) - set(expected) - ({"output.weight"} if args.tie_embeddings else set()))
+    extra = sorted(set(tensors) - set(expected) - aliases)
     wrong = [f"{n} {list(tensors[n][1].size)} vs {list(s)}" for n, s in expected.items()
              if n in tensors and tuple(tensors[n][1].size) != s]
     if missing or extra or wrong:
@@ -161,34 +168,23 @@ def parse_size(text: str) -> int:
 def write_hf_dir(ckpt: Path, out: Path, tensors: dict[str, tuple[str, Any]], args: ModelArgs,
                  dtype: torch.dtype, max_shard_bytes: int) -> None:
     """Shards planned from the metadata, then read, converted and written one at a time."""
-    import json
-
-    from safetensors.torch import save_file
-
+    adapter = registry.hf_adapter(args, "export")
     out.mkdir(parents=True)
-    order = list(hf.param_shapes(args))  # the model's own order: embedding, layers, norm, head
+    order = list(param_shapes(args)[0])  # the model's own order: embedding, layers, norm, head
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = {n: tensors[n][1].size.numel() * itemsize for n in order}
-    shards = hf.plan_shards(sizes, max_shard_bytes)
-    names = hf.shard_names(len(shards))
+    shards = hf_io.plan_shards(sizes, max_shard_bytes)
+    names = hf_io.shard_names(len(shards))
     weight_map: dict[str, str] = {}
     for shard, filename in zip(shards, names):
         full = load_tensors(ckpt, {n: tensors[n] for n in shard})
-        converted = dict(hf.iter_hf_tensors(full, args, dtype))
-        save_file(converted, str(out / filename), metadata={"format": "pt"})
-        _chmod_default(out / filename)
+        converted = dict(adapter.iter_hf_tensors(full, args, dtype))
+        hf_io.write_shard(out / filename, converted)
         weight_map.update({k: filename for k in converted})
         del full, converted
     if len(shards) > 1:
-        hf.write_index(out, weight_map, sum(sizes.values()))
-    (out / hf.CONFIG_FILE).write_text(json.dumps(hf.hf_config(args, dtype), indent=2) + "\n")
-
-
-def _chmod_default(path: Path) -> None:
-    """safetensors creates files owner-only (0600); give them the usual umask-based mode."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+        hf_io.write_index(out, weight_map, sum(sizes.values()))
+    hf_io.write_config(out, adapter.hf_config(args, dtype))
 
 
 def _prepare_out(out: Path, overwrite: bool) -> None:

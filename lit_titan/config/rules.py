@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from lit_titan.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lit_titan.models.llama3 import ModelArgs
+    from lit_titan.models.registry import ModelArgsLike as ModelArgs
     from lit_titan.strategies.parallel_dims import ParallelDims
 
 
@@ -61,16 +61,22 @@ def tokenizer_fits_model(cfg: DictConfig, args: ModelArgs) -> None:
 
 def sliding_window_fits_sequence(cfg: DictConfig, args: ModelArgs) -> None:
     seq_len = int(cfg.data.seq_len)
-    if args.sliding_window is not None and args.sliding_window > seq_len:
-        raise ConfigError(f"model.sliding_window={args.sliding_window}: exceeds data.seq_len={seq_len} (the window "
+    window = getattr(args, "sliding_window", None)  # families without windowed attention lack the key
+    if window is not None and window > seq_len:
+        raise ConfigError(f"model.sliding_window={window}: exceeds data.seq_len={seq_len} (the window "
                           f"would be the whole sequence); lower model.sliding_window or set it to null for full attention")
 
 
 def hf_weights_match(cfg: DictConfig, args: ModelArgs) -> None:
     if cfg.model.get("init_from_hf"):
-        from lit_titan.models.llama3.hf import check_hf_dir  # lazy: only runs that start from HF weights
+        from lit_titan.models.registry import hf_adapter  # lazy: only runs that start from HF weights
 
-        check_hf_dir(str(cfg.model.init_from_hf), args)  # FileNotFoundError / ConfigError naming the fix
+        where = f"model.init_from_hf={cfg.model.init_from_hf}"
+        try:
+            adapter = hf_adapter(args, where)
+        except ValueError as err:
+            raise ConfigError(f"{err}; set model.init_from_hf=null") from err
+        adapter.check_hf_dir(str(cfg.model.init_from_hf), args)  # FileNotFoundError / ConfigError naming the fix
 
 
 def optimizer(cfg: DictConfig) -> None:
@@ -153,11 +159,11 @@ def document_masking(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> No
 
 
 def attention_backend(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
-    if args.attention == "flex" and str(cfg.cluster.get("accelerator", "")) == "cpu":
+    if getattr(args, "attention", "sdpa") == "flex" and str(cfg.cluster.get("accelerator", "")) == "cpu":
         raise ConfigError("model.attention=flex: cannot train on CPU, torch's flex_attention has no CPU backward "
                           "(torch 2.15); use model.attention=sdpa (document masking then uses a dense mask) "
                           "or a GPU cluster profile")
-    if args.attention == "flex" and dims.cp > 1:
+    if getattr(args, "attention", "sdpa") == "flex" and dims.cp > 1:
         raise ConfigError("model.attention=flex: not supported with parallel.cp > 1 (CP's attention is SDPA); "
                           "set model.attention=sdpa")
 

@@ -21,15 +21,10 @@ from lit_titan.errors import ConfigError, keyed_line
 # validated, so `--help` and the Hydra app's own displays stay fast.
 if TYPE_CHECKING:
     from lit_titan.data.batch_layout import BatchLayout
-    from lit_titan.models.llama3 import ModelArgs
+    from lit_titan.models.registry import ModelArgsLike as ModelArgs
     from lit_titan.strategies.parallel_dims import ParallelDims
     from lit_titan.strategies.pipeline import PipelineConfig
 
-MODEL_ARG_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim_multiplier", "multiple_of",
-                  "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "attention", "parallel_block",
-                  "sliding_window", "window_pattern")
-# Keys whose null is a value (no rotary scaling), not "the flavor's default": passed whenever present.
-MODEL_NULLABLE_KEYS = ("rope_scaling",)
 world_size = rules.world_size
 
 
@@ -90,14 +85,17 @@ def _build(cfg: DictConfig) -> JobSpec:
 
 # ---- the pieces of a JobSpec, each from the config's keys (also what the planner's search calls) ---------
 def model_args(cfg: DictConfig) -> ModelArgs:
-    from lit_titan.models.llama3 import get_flavor
+    from lit_titan.models.registry import model_args as flavor_args
 
-    return get_flavor(cfg.model.name, **model_overrides(cfg))
+    return flavor_args(cfg.model.name, **model_overrides(cfg))
 
 
 def model_overrides(cfg: DictConfig) -> dict[str, Any]:
-    out = {k: cfg.model[k] for k in MODEL_ARG_KEYS if cfg.model.get(k) is not None}
-    for k in MODEL_NULLABLE_KEYS:
+    from lit_titan.models.registry import spec_for
+
+    spec = spec_for(cfg.model.name)
+    out = {k: cfg.model[k] for k in spec.arg_keys if k not in spec.nullable_keys and cfg.model.get(k) is not None}
+    for k in spec.nullable_keys:
         if k in cfg.model:
             value = cfg.model[k]
             out[k] = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value

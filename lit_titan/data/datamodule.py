@@ -167,10 +167,10 @@ class PretrainDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             return 0, 1
-        strategy = trainer.strategy
-        if hasattr(strategy, "data_parallel_rank") and hasattr(strategy, "data_parallel_size"):
-            return int(strategy.data_parallel_rank), int(strategy.data_parallel_size)
-        return trainer.global_rank, trainer.world_size
+        from lit_titan.strategies.contract import contract
+
+        strategy = contract(trainer.strategy)
+        return strategy.data_parallel_rank, strategy.data_parallel_size
 
     @property
     def micro_batch_size(self) -> int:
@@ -370,9 +370,10 @@ class PretrainDataModule(L.LightningDataModule):
         """
         if self.pin_memory is not None:
             return bool(self.pin_memory)
-        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
-        if device is not None:
-            return device.type == "cuda"
+        if self.trainer is not None:
+            from lit_titan.strategies.contract import contract
+
+            return contract(self.trainer.strategy).root_device.type == "cuda"
         return torch.cuda.is_available()
 
     # ---- exact resume by counter -----------------------------------------------------

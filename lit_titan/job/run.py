@@ -40,10 +40,10 @@ def with_flavor(cfg: DictConfig, args: Any) -> DictConfig:
     What config.yaml records: the model's shape is read there, not looked up in the flavor table of
     the lit-titan version that ran. The same ModelArgs result from it (export, calibration, resume).
     """
-    from lit_titan.config.spec import MODEL_ARG_KEYS
+    from lit_titan.models.registry import spec_of
 
-    out = cfg.copy()
-    for key in MODEL_ARG_KEYS:
+    spec, out = spec_of(args), cfg.copy()
+    for key in (k for k in spec.arg_keys if k not in spec.nullable_keys):
         if key in out.model and out.model[key] is None and getattr(args, key, None) is not None:
             out.model[key] = getattr(args, key)
     return out

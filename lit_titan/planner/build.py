@@ -89,7 +89,7 @@ def request_transforms(strategy, callbacks: list) -> dict[str, Any]:
 
 def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> ShardedLayout:
     """Meta model -> ``TitanStrategy.parallelize`` over a fake PG of ``dims.world_size`` ranks (rank 0)."""
-    from lit_titan.models.llama3 import Transformer
+    from lit_titan.models.registry import build_model
     from lit_titan.strategies.pipeline import split_units, stage_ids
     from lit_titan.job.build import build_strategy
 
@@ -99,7 +99,7 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
         info = request_transforms(strategy, callbacks)
 
         with torch.device("meta"):
-            model = Transformer(model_args)
+            model = build_model(model_args)
         params_total = sum(p.numel() for p in model.parameters())
         plan = strategy.plan_for(model)
 

@@ -88,7 +88,7 @@ def measured(run_dir: str | Path) -> dict[str, Any]:
 def _setup(cfg) -> dict[str, Any]:
     """The layout a run's (or plan's) config describes, in closed form (no meta-model build)."""
     from lit_titan.config.spec import batch_layout, model_args, parallel_dims, pipeline_config
-    from lit_titan.models.llama3.flops import count_params, flops_per_token
+    from lit_titan.models.registry import count_params, flops_per_token
     from lit_titan.planner.analytic import analytic_layout
 
     args, dims = model_args(cfg), parallel_dims(cfg)

@@ -60,7 +60,7 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     """The one-layout plan of ``cfg``; ``eff``: the step-time model's efficiencies (a calibration);
     ``schema_checked``: ``cfg`` came from ``compose(check=True)``."""
     from lit_titan.config.spec import model_args, parallel_dims, world_size
-    from lit_titan.models.llama3.flops import flops_per_token
+    from lit_titan.models.registry import flops_per_token
     from lit_titan.planner.build import build_layout
 
     t0 = time.perf_counter()
@@ -82,7 +82,7 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     _checks(cfg, args, dims, reasons, schema_checked)
     callbacks = _instantiate_callbacks(cfg, reasons)
     seq_len = int(cfg.data.seq_len)
-    from lit_titan.models.llama3.flops import count_params
+    from lit_titan.models.registry import count_params
 
     plan["params_total"] = count_params(args)
     plan["flops_per_token"] = flops_per_token(args, seq_len, num_params=plan["params_total"])

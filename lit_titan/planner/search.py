@@ -171,7 +171,7 @@ def search(cfg: DictConfig, overrides: list[str], *, eff: estimate.Efficiencies 
            confirm: int = 3) -> dict[str, Any]:
     """Rank every valid layout of ``cfg``'s model on its cluster; raise ConfigError when none fits."""
     from lit_titan.config.spec import model_args, world_size
-    from lit_titan.models.llama3.flops import count_params, flops_per_token
+    from lit_titan.models.registry import count_params, flops_per_token
     from lit_titan.planner.core import _optimizer_implementation
 
     t0 = time.perf_counter()

@@ -62,8 +62,12 @@ Transform = Callable[[nn.Module, ParallelPlan, "TitanStrategy"], None]
 
 
 class TitanStrategy(ModelParallelStrategy):
+    """Implements ``strategies/contract.py``'s ``StrategyContract``, what the module and callbacks may ask."""
+
     # PretrainModule reads this: the strategy, not the module, builds the real weights.
     owns_parallelization = True
+    # Callbacks register transforms here (register_transform); the strategy applies them in order.
+    runs_transforms = True
     strategy_name = "titan"
 
     def __init__(
@@ -162,6 +166,11 @@ class TitanStrategy(ModelParallelStrategy):
         if self.parallel_dims is None or self.parallel_dims.pp == 1:
             return None
         return self._pp_group
+
+    @property
+    def mesh(self) -> Any:
+        """The 5-D DeviceMesh once ``init_layout`` ran, else None (Lightning's ``device_mesh`` asserts)."""
+        return self._device_mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

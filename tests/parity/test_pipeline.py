@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lit_titan.models.llama3 import Transformer, get_flavor
-from lit_titan.models.llama3.plan import pipeline_units
+from lit_titan.models.llama3.parallelize import pipeline_units
 from lit_titan.strategies.pipeline import ZERO_BUBBLE, PipelineConfig, build_rank_model, split_units, stage_ids
 from lit_titan.strategies.settings import PP_SCHEDULES as SCHEDULES
 

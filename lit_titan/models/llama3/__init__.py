@@ -4,4 +4,4 @@ from lit_titan.models.llama3.args import FLAVORS, ModelArgs, RopeScaling, get_fl
 from lit_titan.models.llama3.model import Transformer
 
 __all__ = ["FLAVORS", "ModelArgs", "RopeScaling", "Transformer", "get_flavor"]
-from lit_titan.models.llama3 import plan as _plan  # noqa: F401  (registers the family's ParallelPlan)
+from lit_titan.models.llama3 import parallelize as _parallelize  # noqa: F401  (registers the family's ParallelPlan)

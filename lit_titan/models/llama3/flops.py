@@ -1,4 +1,4 @@
-"""Model FLOPs per token and parameter count of a Llama 3 ``Transformer``, from its args alone.
+"""Llama 3 parameter and model-FLOP counts, analytic (no model is built).
 
 Model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; the same formula as TorchTitan's
 ``get_num_flop_per_token``)::
@@ -11,17 +11,15 @@ the output head is a matmul and counts. ``6 * N`` is forward (2) + backward (4) 
 weight matmuls per token; the second term is the attention score / value matmuls (QK^T and AV,
 forward + backward) over the full sequence, without discounting the causal mask (as PaLM and
 TorchTitan do). Activation recomputation is not counted: these are *model* FLOPs, hence MFU,
-not hardware FLOPs utilisation. Analytic, so the planner counts a 405B model without building it.
+not hardware FLOPs utilisation.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-__all__ = ["count_params", "flops_per_token"]
+from lit_titan.models.llama3.args import ModelArgs
 
 
-def count_params(model_args: Any) -> int:
+def count_params(model_args: ModelArgs) -> int:
     """Parameters of the whole Llama 3 ``Transformer`` built from ``model_args`` (untied output head).
 
     Equals ``sum(p.numel() for p in Transformer(model_args).parameters())``.
@@ -29,12 +27,12 @@ def count_params(model_args: Any) -> int:
     dim, hd = model_args.dim, model_args.head_dim
     attention = dim * model_args.n_heads * hd * 2 + dim * model_args.kv_heads * hd * 2  # wq, wo, wk, wv
     ffn = 3 * dim * model_args.ffn_hidden_dim  # w1, w2, w3
-    norms = 1 if getattr(model_args, "parallel_block", False) else 2  # the parallel block has one norm
+    norms = 1 if model_args.parallel_block else 2  # the parallel block has one norm
     block = attention + ffn + norms * dim  # + attention_norm, ffn_norm
     return model_args.n_layers * block + 2 * model_args.vocab_size * dim + dim  # embedding, output, norm
 
 
-def flops_per_token(model_args: Any, seq_len: int, num_params: int | None = None) -> float:
+def flops_per_token(model_args: ModelArgs, seq_len: int, num_params: int | None = None) -> float:
     """Training (forward + backward) model FLOPs per token (PaLM appendix B / TorchTitan).
 
     ``6 * (N - vocab_size * dim) + 12 * n_heads * head_dim * sum over layers of keys``, with ``N`` the
@@ -44,7 +42,7 @@ def flops_per_token(model_args: Any, seq_len: int, num_params: int | None = None
     """
     n = count_params(model_args) if num_params is None else int(num_params)
     n_embedding = model_args.vocab_size * model_args.dim
-    window_of = getattr(model_args, "window_of", lambda layer: None)
-    keys = sum(seq_len if window_of(i) is None else min(window_of(i), seq_len) for i in range(model_args.n_layers))
+    windows = [model_args.window_of(i) for i in range(model_args.n_layers)]
+    keys = sum(seq_len if w is None else min(w, seq_len) for w in windows)
     attention = 12 * model_args.n_heads * model_args.head_dim * keys
     return float(6 * (n - n_embedding) + attention)

@@ -1,4 +1,6 @@
-"""Hugging Face Llama interop: export to / start from a HF ``LlamaForCausalLM`` directory.
+"""Hugging Face Llama adapter: names, rotary layout and ``config.json`` of a HF ``LlamaForCausalLM``.
+
+The files themselves (safetensors shards, index, per-rank slices) are ``models/hf_io.py``'s job.
 
 Two differences between our Llama and HF's besides the names:
 - rotary embeddings: ours rotate consecutive pairs of each head's dims (Meta's complex layout),
@@ -7,13 +9,10 @@ Two differences between our Llama and HF's besides the names:
   makes both models compute the same attention scores;
 - the FFN width: HF stores ``intermediate_size``, we derive it from ``multiple_of`` and
   ``ffn_dim_multiplier``.
-
-Only safetensors are read or written (never pickle).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from lit_titan.errors import ConfigError
+from lit_titan.models import hf_io
+from lit_titan.models.hf_io import CONFIG_FILE
 from lit_titan.models.init import canonical_name
 from lit_titan.models.llama3.args import ModelArgs, RopeScaling
-
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -120,16 +117,13 @@ def _tied_head(name: str, args: ModelArgs) -> bool:
 
 
 # ---- config.json ---------------------------------------------------------------------------------
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
 def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """A ``LlamaConfig``-compatible config.json for ``args``.
 
     Rotary settings use the legacy ``rope_theta`` / ``rope_scaling`` keys, which every
     transformers version reads (v5 converts them to ``rope_parameters``).
     """
-    dtype_name = _DTYPE_NAMES[dtype]
+    dtype_name = hf_io.DTYPE_NAMES[dtype]
     rope_scaling = None
     if args.rope_scaling is not None:
         s = args.rope_scaling
@@ -160,10 +154,6 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, 
         "torch_dtype": dtype_name,  # transformers < 5
         "dtype": dtype_name,  # transformers >= 5
     }
-
-
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / CONFIG_FILE).read_text())
 
 
 def _hf_rope(config: dict[str, Any]) -> tuple[float | None, RopeScaling | None, str | None]:
@@ -249,22 +239,6 @@ def _numeric_fixes(config: dict[str, Any], args: ModelArgs) -> tuple[dict[str, A
 
 
 # ---- the directory -------------------------------------------------------------------------------
-def weight_files(path: str | Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it (via the index, or each file's header)."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if (path / INDEX_FILE).is_file():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        return {k: path / f for k, f in weight_map.items()}
-    files = [path / SINGLE_FILE] if (path / SINGLE_FILE).is_file() else sorted(path.glob("*.safetensors"))
-    found: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            found.update({k: file for k in f.keys()})
-    return found
-
-
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Our parameter name -> shape, in the model's order (embedding, layers, norm, head)."""
     from lit_titan.models.llama3.model import Transformer
@@ -308,7 +282,7 @@ def check_hf_dir(path: str, args: ModelArgs) -> None:
     if not (root / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{where} has no {CONFIG_FILE}; {hint}")
     try:
-        config = read_hf_config(root)
+        config = hf_io.read_config(root)
         fixes, no_override, unsupported = config_mismatches(config, args)
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{where}: unreadable {CONFIG_FILE} ({type(err).__name__}: {err})") from err
@@ -327,80 +301,35 @@ def check_hf_dir(path: str, args: ModelArgs) -> None:
 
 def _check_weights(root: Path, args: ModelArgs, config: dict[str, Any], where: str, hint: str) -> None:
     """Every tensor the model needs is present, in an existing file, with the right shape."""
-    from safetensors import safe_open
-
-    try:
-        files = weight_files(root)
-    except Exception as err:  # noqa: BLE001 - a corrupt index or header, reported as such
-        raise FileNotFoundError(f"{where}: cannot read its safetensors weights ({err}); {hint}") from err
-    if not files:
-        pickled = [p.name for p in root.glob("*.bin")] + [p.name for p in root.glob("*.pt*")]
-        extra = f" (found {pickled[:3]}: only safetensors are read, never pickle)" if pickled else ""
-        raise FileNotFoundError(f"{where} holds no *.safetensors weights{extra}; {hint}")
-    missing_files = sorted({f.name for f in files.values() if not f.is_file()})
-    if missing_files:
-        raise FileNotFoundError(f"{where}: weight files {missing_files} listed in {INDEX_FILE} are missing")
-    wrong, absent = [], []
-    for ours, shape in param_shapes(args).items():
-        name = to_hf_name(ours)
-        source = _tied_source(name, files, config)
-        if source not in files:
-            absent.append(name)
-            continue
-        with safe_open(str(files[source]), framework="pt") as f:
-            got = tuple(f.get_slice(source).get_shape())
-        if got != shape:
-            wrong.append(f"{source} {list(got)} (expected {list(shape)})")
+    files = hf_io.check_weight_files(root, where, hint)
+    sources = {to_hf_name(ours): (_tied_source(to_hf_name(ours), files, config), shape)
+               for ours, shape in param_shapes(args).items()}
+    absent = [name for name, (source, _) in sources.items() if source not in files]
     if absent:
         raise FileNotFoundError(f"{where} lacks tensors {absent[:4]}{' ...' if len(absent) > 4 else ''}; {hint}")
+    got = hf_io.tensor_shapes(files, {source for source, _ in sources.values()})
+    wrong = [f"{source} {list(got[source])} (expected {list(shape)})" for source, shape in sources.values()
+             if got[source] != shape]
     if wrong:
         raise ConfigError(f"{where}: tensor shapes do not match its config.json: {'; '.join(wrong[:4])}")
 
 
 # ---- loading into a (sharded) model --------------------------------------------------------------
-@torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str) -> None:
-    """Copy a HF checkpoint into ``model``, whose parameters may be FSDP/TP DTensors or a PP stage.
-
-    Each rank reads only what it holds: the tensors of its own parameters (a pipeline stage: its
-    layers, under their original names), and of each only the slice its shard covers
-    (safetensors ``get_slice``, the same offsets DCP uses for the DTensor), so at world size N a
-    rank of a fully sharded model reads about 1/N of the checkpoint. No collective runs, so any
-    placement works.
-    """
-    from safetensors import safe_open
-
+    """Copy a HF Llama directory into ``model`` (plain, FSDP/TP DTensors or a PP stage, which holds its
+    layers under their original names); each rank reads only its slices (``hf_io.load_into``)."""
     root = Path(path).expanduser()
-    config = read_hf_config(root)
+    config = hf_io.read_config(root)
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
-    files = weight_files(root)
-    plan = [(name, param, _tied_source(to_hf_name(name), files, config)) for name, param in model.named_parameters()]
-    missing = [source for _, _, source in plan if source not in files]
-    if missing:
-        raise KeyError(f"{path} lacks tensors {missing[:4]}")
-    for file in sorted({files[source] for _, _, source in plan}):
-        with safe_open(str(file), framework="pt") as f:
-            for name, param, source in plan:
-                if files[source] == file:
-                    rotary = _rotary_heads(canonical_name(name), heads, kv_heads)
-                    _copy_local_into(param, f.get_slice(source), rotary, name)
 
+    def reader(name: str) -> hf_io.BlockReader:
+        rotary = _rotary_heads(canonical_name(name), heads, kv_heads)
+        if rotary is None:
+            return hf_io.read_block
+        return lambda tensor_slice, offsets, sizes: read_region(tensor_slice, offsets, sizes, rotary)
 
-def local_region(param: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global offsets, sizes) of the block of ``param`` this rank holds: all of it unless a DTensor.
-
-    For a DTensor this is the chunk DCP saves for it (``__create_chunk_list__``), FSDP x TP strided
-    sharding included.
-    """
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return (0,) * param.dim(), tuple(param.shape)
-    chunks = param.__create_chunk_list__()
-    if len(chunks) != 1:
-        raise ValueError(f"a parameter with {len(chunks)} local chunks cannot be loaded from Hugging Face weights")
-    return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+    hf_io.load_into(model, root, lambda name, files: _tied_source(to_hf_name(name), files, config), reader)
 
 
 def read_region(tensor_slice: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
@@ -410,9 +339,9 @@ def read_region(tensor_slice: Any, offsets: tuple[int, ...], sizes: tuple[int, .
     q/k projections (``rotary_heads``) are stored in HF's rotary layout, a permutation of the rows
     within each head: the whole heads that overlap the block are read, un-permuted, then cut.
     """
-    index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
     if rotary_heads is None:
-        return tensor_slice[index] if index else tensor_slice[:]
+        return hf_io.read_block(tensor_slice, offsets, sizes)
+    index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
     head_dim = int(tensor_slice.get_shape()[0]) // rotary_heads
     first, stop = offsets[0] // head_dim, -(-(offsets[0] + sizes[0]) // head_dim)
     block = tensor_slice[(slice(first * head_dim, stop * head_dim), *index[1:])]
@@ -420,47 +349,7 @@ def read_region(tensor_slice: Any, offsets: tuple[int, ...], sizes: tuple[int, .
     return half_to_interleaved(block, stop - first)[start:start + sizes[0]]
 
 
-def _copy_local_into(param: Tensor, tensor_slice: Any, rotary_heads: int | None, name: str) -> None:
-    """Write this rank's block of one HF tensor into a parameter, plain or DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    shape = tuple(int(n) for n in tensor_slice.get_shape())
-    if shape != tuple(param.shape):
-        raise ValueError(f"{name}: Hugging Face tensor has shape {list(shape)}, the model {list(param.shape)}")
-    local = param.to_local() if isinstance(param, DTensor) else param
-    offsets, sizes = local_region(param)
-    if tuple(local.shape) != sizes:
-        raise ValueError(f"{name}: local shard {list(local.shape)} is not the block {list(sizes)} its placements give")
-    if local.numel():
-        local.copy_(read_region(tensor_slice, offsets, sizes, rotary_heads))
-
-
 # ---- writing -------------------------------------------------------------------------------------
-def shard_names(n_shards: int) -> list[str]:
-    """HF's file names: one ``model.safetensors``, or ``model-0000i-of-0000N.safetensors``."""
-    if n_shards == 1:
-        return [SINGLE_FILE]
-    return [f"model-{i:05d}-of-{n_shards:05d}.safetensors" for i in range(1, n_shards + 1)]
-
-
-def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
-    """Group names (in order) into shards of at most ``max_shard_bytes`` (a bigger tensor stands alone)."""
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name, size in sizes.items():
-        if shards[-1] and used + size > max_shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
-
-
-def write_index(out: Path, weight_map: dict[str, str], total_size: int) -> None:
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-
 def iter_hf_tensors(state_dict: dict[str, Tensor], args: ModelArgs, dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
     """(HF name, contiguous tensor in ``dtype``) for each of our full parameters."""
     for name, tensor in state_dict.items():

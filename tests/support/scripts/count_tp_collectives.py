@@ -20,7 +20,7 @@ def main(_: Any = None) -> dict[str, Any]:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from lit_titan.models.llama3 import Transformer, get_flavor
-    from lit_titan.models.llama3.plan import LLAMA3_PLAN
+    from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
     from lit_titan.strategies.tensor_parallel import apply_tensor_parallel
 
     world = dist.get_world_size()

@@ -68,12 +68,13 @@ class _CountingSafeOpen:
 
 def _expected_full(hf_dir: str) -> dict[str, torch.Tensor]:
     """Every parameter as the file holds it, in our layout (read with the uncounted reader)."""
+    from lit_titan.models import hf_io
     from lit_titan.models.llama3 import hf
 
-    config = hf.read_hf_config(hf_dir)
+    config = hf_io.read_config(hf_dir)
     heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     out = {}
-    for hf_name, file in hf.weight_files(hf_dir).items():
+    for hf_name, file in hf_io.weight_files(hf_dir).items():
         with _ORIGINAL_SAFE_OPEN(str(file), framework="pt") as f:
             name, tensor = hf.from_hf_tensor(hf_name, f.get_tensor(hf_name), heads, kv)
             out[name] = tensor
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         key, value = item.split("=", 1)
         kwargs[key] = int(value) if value.lstrip("-").isdigit() else value
     BYTES_READ[0] = 0  # per run: a world runs several cases in one process
-    safetensors.safe_open = _CountingSafeOpen  # hf.py imports it at call time
+    safetensors.safe_open = _CountingSafeOpen  # hf_io.py imports it at call time
     try:
         _fit(out_dir, hf_dir, devices, kwargs)
     finally:

@@ -19,7 +19,7 @@ from dataclasses import replace
 import lightning as L
 
 from lit_titan.models.llama3 import Transformer
-from lit_titan.models.llama3.plan import LLAMA3_PLAN
+from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
 from lit_titan.strategies import plan as registry
 from lit_titan.strategies.plan import register_plan
 

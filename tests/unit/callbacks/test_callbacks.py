@@ -11,7 +11,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from lit_titan.strategies.transforms import apply_activation_checkpointing, compile_blocks
 from lit_titan.models.init import canonical_name
 from lit_titan.models.llama3 import Transformer, get_flavor
-from lit_titan.models.llama3.plan import LLAMA3_PLAN
+from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
+from lit_titan.strategies import TitanStrategy
+from lit_titan.strategies.parallel_dims import ParallelDims
 
 from helpers import TINY, assert_losses_match, losses
 
@@ -59,7 +61,8 @@ def test_callbacks_refuse_strategies_that_cannot_apply_them():
 
 
 def test_compile_refuses_context_parallel():
-    strategy = SimpleNamespace(register_transform=lambda *a: None, parallel_dims=SimpleNamespace(cp=2))
+    strategy = TitanStrategy(cp=2)
+    strategy.parallel_dims = ParallelDims.resolve(4, cp=2)
     with pytest.raises(NotImplementedError, match="parallel.cp"):
         Compile().setup(SimpleNamespace(strategy=strategy), None, "fit")
 

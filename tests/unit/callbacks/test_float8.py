@@ -177,7 +177,7 @@ def test_all_gather_and_precompute_only_for_tensorwise():
 # ---- float8 tensor-parallel styles (float8_tp) ----------------------------------------------------
 def _float8_tp_plans(model: nn.Module, cb: Float8) -> list[tuple[dict, dict]]:
     """(plan's styles, rewritten styles) by full name, as apply_tensor_parallel would apply them."""
-    from lit_titan.models.llama3.plan import LLAMA3_PLAN
+    from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
     from lit_titan.strategies.tensor_parallel import tp_plans
 
     cb.convert(model)

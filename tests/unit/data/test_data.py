@@ -87,17 +87,34 @@ def test_deterministic_per_seed(data_dir: Path) -> None:
     assert not torch.equal(a[0], c[0])
 
 
-def _fake_trainer(global_rank: int, world_size: int, dp: tuple[int, int] | None) -> Any:
-    strategy = SimpleNamespace() if dp is None else SimpleNamespace(data_parallel_rank=dp[0], data_parallel_size=dp[1])
-    return SimpleNamespace(strategy=strategy, global_rank=global_rank, world_size=world_size)
+def _trainer(global_rank: int, world_size: int, tp: int | None) -> Any:
+    """A trainer whose strategy is Lightning's DDP (every rank a data-parallel rank), or TitanStrategy
+    with tensor parallel ``tp`` (its data-parallel coordinates come from the layout)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lit_titan.strategies import TitanStrategy
+    from lit_titan.strategies.parallel_dims import ParallelDims
+
+    env = LightningEnvironment()
+    env.set_global_rank(global_rank)
+    env.set_world_size(world_size)
+    if tp is None:
+        strategy = DDPStrategy(cluster_environment=env)
+    else:
+        strategy = TitanStrategy(tp=tp)
+        strategy.cluster_environment = env
+        strategy.parallel_dims = ParallelDims.resolve(world_size, tp=tp)
+    strategy.parallel_devices = [torch.device("cpu")]  # this process's device (local rank 0)
+    return SimpleNamespace(strategy=strategy)
 
 
 def test_dp_coords_resolution(data_dir: Path) -> None:
     dm = make_dm(data_dir)
     assert dm.data_parallel_coords() == (0, 1)
-    dm.trainer = _fake_trainer(3, 4, None)
+    dm.trainer = _trainer(3, 4, None)
     assert dm.data_parallel_coords() == (3, 4)
-    dm.trainer = _fake_trainer(3, 4, (1, 2))
+    dm.trainer = _trainer(3, 4, tp=2)
     assert dm.data_parallel_coords() == (1, 2)
     assert make_dm(data_dir, dp_rank=0, dp_size=4).data_parallel_coords() == (0, 4)
 
@@ -137,7 +154,7 @@ def test_dp_peers_identical(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setenv("WORLD_SIZE", "4")
         monkeypatch.setenv("GLOBAL_RANK", str(rank))
         dm = make_dm(data_dir, global_batch_size=8, micro_batch_size=2)
-        dm.trainer = _fake_trainer(rank, 4, (rank // 2, 2))
+        dm.trainer = _trainer(rank, 4, tp=2)
         per_rank.append(batches(dm, 12))
         assert dm.grad_accum_steps == 2
     assert len(per_rank[0]) == 12
@@ -156,7 +173,7 @@ def test_batch_size_validation(data_dir: Path) -> None:
     with pytest.raises(ValueError, match="data.global_batch_size.*data.micro_batch_size"):
         make_dm(data_dir, global_batch_size=6, micro_batch_size=4, dp_rank=0, dp_size=1)
     dm = make_dm(data_dir, global_batch_size=4, micro_batch_size=2)
-    dm.trainer = _fake_trainer(0, 4, (0, 4))
+    dm.trainer = _trainer(0, 4, tp=1)
     with pytest.raises(ValueError, match="data.micro_batch_size"):
         dm.setup("fit")
 
@@ -418,7 +435,7 @@ def test_resume_uses_dp_coords_not_global_world(data_dir: Path, monkeypatch: pyt
 
     def dm_on_rank3(state: dict | None = None) -> PretrainDataModule:
         dm = make_dm(data_dir, global_batch_size=4, micro_batch_size=2, num_workers=2)
-        dm.trainer = _fake_trainer(3, 4, (1, 2))
+        dm.trainer = _trainer(3, 4, tp=2)
         if state:
             dm.load_state_dict(state)
         dm.setup("fit")

@@ -176,7 +176,7 @@ def test_report_plots_the_runs_own_numbers(observed_run, tmp_path):
     # the run's figures (summary.json) and the model's shape from its flavor, not only its name
     from lit_titan.config import compose
     from lit_titan.config.spec import model_args
-    from lit_titan.models.llama3.flops import count_params
+    from lit_titan.models.registry import count_params
 
     args = model_args(compose(TWO_RANKS))
     figures = re.search(r"<table id='run-figures'>(.*?)</table>", page).group(1)

@@ -1,0 +1,144 @@
+"""The model families lit-titan trains: a family is one ``ModelSpec`` in ``FAMILIES``.
+
+Everything outside ``models/`` (the module, config, planner, export, callbacks) reaches a model through
+this file: a flavor name (``model=...``, the ``name`` of ``conf/model/*.yaml``) finds its family, and
+the family says how to build, parallelise, count and convert it. A new family is a package
+``models/<family>/`` plus one line in ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lit_titan.strategies.plan import ParallelPlan
+
+
+class ModelArgsLike(Protocol):
+    """What code outside ``models/`` may read from a family's (frozen dataclass) arguments: the shapes
+    that config rules, the parallel layout's divisibility checks and the data pipeline depend on."""
+
+    vocab_size: int
+    n_layers: int  # repeated blocks; the pipeline splits n_layers + 2 units (embedding and head count)
+    n_heads: int
+    max_seq_len: int
+    tie_embeddings: bool
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    def with_overrides(self, **overrides: Any) -> ModelArgsLike: ...
+
+
+class HFAdapter(Protocol):
+    """A family's Hugging Face conversion (names, layout changes, ``config.json``); files: ``hf_io``."""
+
+    def check_hf_expressible(self, args: Any, where: str) -> None: ...
+    def check_hf_dir(self, path: str, args: Any) -> None: ...
+    def load_hf_weights(self, model: nn.Module, path: str) -> None: ...
+    def param_shapes(self, args: Any) -> dict[str, tuple[int, ...]]: ...
+    def iter_hf_tensors(self, state_dict: dict[str, Tensor], args: Any,
+                        dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]: ...
+    def hf_config(self, args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    args: type  # frozen dataclass of hyper-parameters (ModelArgsLike)
+    model: Callable[[Any], nn.Module]  # args -> the nn.Module, no parallel code (built on meta)
+    flavors: Mapping[str, Any]  # flavor name -> args
+    get_flavor: Callable[..., Any]  # (name, **overrides) -> validated args; ValueError naming the fix
+    plan: ParallelPlan  # TP styles, blocks, FSDP / pipeline units (strategies/plan.py)
+    hf: HFAdapter | None  # None: no Hugging Face counterpart (export and init_from_hf refuse it)
+    count_params: Callable[[Any], int]  # whole model, analytic
+    # (args, seq_len, num_params=None): training model FLOPs per token; num_params is the whole model's
+    # count when measured on a built model; a family whose FLOPs are not 6N (MoE: active) may ignore it
+    flops_per_token: Callable[..., float]
+    # model.* keys whose null is a value (e.g. no rotary scaling), passed even when null
+    nullable_keys: tuple[str, ...] = ()
+
+    @property
+    def arg_keys(self) -> tuple[str, ...]:
+        """The ``model.*`` config keys that override the flavor's arguments."""
+        return tuple(f.name for f in fields(self.args))
+
+
+def _llama3() -> ModelSpec:
+    from lit_titan.models import llama3
+    from lit_titan.models.llama3 import flops, hf
+    from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
+
+    return ModelSpec(name="llama3", args=llama3.ModelArgs, model=llama3.Transformer, flavors=llama3.FLAVORS,
+                     get_flavor=llama3.get_flavor, plan=LLAMA3_PLAN, hf=hf, count_params=flops.count_params,
+                     flops_per_token=flops.flops_per_token, nullable_keys=("rope_scaling",))
+
+
+# family name -> how to build its spec (imported on first use, so `import lit_titan.models.registry` stays light)
+FAMILIES: dict[str, Callable[[], ModelSpec]] = {
+    "llama3": _llama3,
+}
+
+_specs: dict[str, ModelSpec] = {}
+
+
+def family(name: str) -> ModelSpec:
+    if name not in _specs:
+        _specs[name] = FAMILIES[name]()
+    return _specs[name]
+
+
+def families() -> list[ModelSpec]:
+    return [family(name) for name in FAMILIES]
+
+
+def flavor_names() -> list[str]:
+    return sorted(f for spec in families() for f in spec.flavors)
+
+
+def spec_for(flavor: str) -> ModelSpec:
+    """The family of a flavor name; unknown names fail with the list of valid ones."""
+    for spec in families():
+        if flavor in spec.flavors:
+            return spec
+    raise ValueError(f"unknown model flavor {flavor!r}; choose model=<one of {flavor_names()}>")
+
+
+def spec_of(args: Any) -> ModelSpec:
+    """The family whose arguments ``args`` are (its own class first, then a subclass of one)."""
+    for match in (lambda spec: type(args) is spec.args, lambda spec: isinstance(args, spec.args)):
+        for spec in families():
+            if match(spec):
+                return spec
+    raise TypeError(f"{type(args).__name__} is not the arguments of a registered model family "
+                    f"({', '.join(FAMILIES)}); add the family to lit_titan.models.registry.FAMILIES")
+
+
+def model_args(flavor: str, **overrides: Any) -> Any:
+    """A flavor's validated arguments with ``model.*`` overrides applied."""
+    return spec_for(flavor).get_flavor(flavor, **overrides)
+
+
+def build_model(args: Any) -> nn.Module:
+    return spec_of(args).model(args)
+
+
+def count_params(args: Any) -> int:
+    return spec_of(args).count_params(args)
+
+
+def flops_per_token(args: Any, seq_len: int, num_params: int | None = None) -> float:
+    return spec_of(args).flops_per_token(args, seq_len, num_params)
+
+
+def hf_adapter(args: Any, where: str) -> HFAdapter:
+    """The family's Hugging Face adapter; ValueError when the family has none."""
+    spec = spec_of(args)
+    if spec.hf is None:
+        raise ValueError(f"{where}: the {spec.name} model family has no Hugging Face counterpart")
+    return spec.hf
