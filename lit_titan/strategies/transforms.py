@@ -109,7 +109,7 @@ def request_compile(strategy: Any, *, fullgraph: bool = True, backend: str = "in
     """Compile ``strategy``'s model per block (TorchTitan's granularity); after TP and AC, before FSDP.
 
     Safe with TP because the residual stream between blocks stays a Shard(1) DTensor (see
-    lit_titan/models/llama3/plan.py; local tensors there train silently wrong under compile).
+    lit_titan/models/llama3/parallelize.py; local tensors there train silently wrong under compile).
     """
     dims = getattr(strategy, "parallel_dims", None)
     if dims is not None and dims.cp > 1:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lit_titan"
+from paths import ROOT
+
+PACKAGE = ROOT / "lit_titan"
 
 
 def _imports(path: Path) -> set[str]:
