@@ -65,15 +65,16 @@ def test_tp_collectives_per_block_halve(worlds):
 # Parity (tests/parity.py): pre-clip gradients, clip norm, weights and losses equal a one-process run of the
 # parallel block with the same seed and global batch, in parity.PARITY's regime (lr 1e-2, clipping engaged).
 PARALLEL = ["model.parallel_block=true"]
-LAYOUTS = {"dp2_tp2_accum2": ["cluster.devices=4", "parallel.tp=2", "data.micro_batch_size=2"],
-           "pp2": ["cluster.devices=2", "parallel.pp=2"],
+LAYOUTS = {"pp2": ["cluster.devices=2", "parallel.pp=2"],
            "cp2": ["cluster.devices=2", "parallel.cp=2"],
-           # compile (per block) and selective activation checkpointing around the fork/join DTensors of
-           # the parallel block's TP plan. aot_eager: dynamo + AOTAutograd trace the same graphs; this
-           # case cost ~4 s with it, 20-30 s with inductor on a cold cache (CI), and inductor's own trap
-           # is guarded by test_callbacks.py's compile x TP x FSDP test
-           "dp2_tp2_compile_ac": ["cluster.devices=4", "parallel.tp=2", "callbacks=[compile,activation_checkpointing]",
-                                  "callbacks.compile.backend=aot_eager"]}
+           # TP with accumulation, compile (per block) and selective activation checkpointing around the
+           # fork/join DTensors of the parallel block's TP plan, in one run. aot_eager: dynamo +
+           # AOTAutograd trace the same graphs; this case cost ~4 s with it, 20-30 s with inductor on a
+           # cold cache (CI), and inductor's own trap is guarded by test_callbacks.py's compile x TP x
+           # FSDP test
+           "dp2_tp2_accum2_compile_ac": ["cluster.devices=4", "parallel.tp=2", "data.micro_batch_size=2",
+                                         "callbacks=[compile,activation_checkpointing]",
+                                         "callbacks.compile.backend=aot_eager"]}
 
 
 @pytest.mark.parity
