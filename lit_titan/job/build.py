@@ -61,10 +61,23 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
                 settings = OmegaConf.to_container(settings, resolve=True) if OmegaConf.is_config(settings) else \
                     dict(settings or {})
                 extra.update(settings={**settings, "x_disable_meta": True}, _convert_="all")  # a dict, for wandb
-        loggers.append(instantiate(node, **extra))
+        logger = instantiate(node, **extra)
+        _drop_wandb_anonymous(logger)
+        loggers.append(logger)
     if not any(isinstance(lg, CSVLogger) and Path(lg.log_dir).resolve() == run_dir for lg in loggers):
         loggers.insert(0, RunDirCSVLogger(save_dir=str(run_dir), name="", version=""))
     return loggers
+
+
+def _drop_wandb_anonymous(logger: Any) -> None:
+    """Lightning's WandbLogger hands ``anonymous=None`` to ``wandb.init`` on every run, which wandb answers
+    with "The anonymous setting has no effect and will be removed" (a deprecation of a key only Lightning
+    passes: nothing a user can act on, and it prints outside Python's warnings, so known_warnings.py
+    cannot hold it). Leaving the unset key out is what wandb asks for; a Lightning that stops passing it
+    needs nothing here."""
+    init = getattr(logger, "_wandb_init", None)
+    if isinstance(init, dict) and "anonymous" in init and init["anonymous"] is None:
+        del init["anonymous"]
 
 
 def build_strategy(cfg: DictConfig, spec: JobSpec | None = None):

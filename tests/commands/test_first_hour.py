@@ -43,6 +43,16 @@ def test_every_world_case_is_read_by_the_same_matcher(worlds):
     worlds.run(2, "builtins:print", "step 1/2 | loss 8.1")  # the world is still up and clean
 
 
+def test_every_command_line_is_read_by_the_same_matcher():
+    """A command line that exits 0 and prints a warning line fails (helpers.Job.wait); one that asks for
+    that line, or exits non-zero (the test judges its error), passes. A bare interpreter: no import cost."""
+    warn = [sys.executable, "-c", "import warnings; warnings.warn('deliberate')"]
+    with pytest.raises(AssertionError, match=r"(?s)succeeded but printed 1 unexpected .*UserWarning: deliberate"):
+        run_job(warn, timeout=60)
+    run_job(warn, timeout=60, allow_noise=("deliberate",))
+    assert run_job([*warn[:-1], warn[-1] + "; raise SystemExit(3)"], timeout=60).returncode == 3
+
+
 def step_lines(output: str) -> list[tuple[int, int]]:
     return [(int(m.group(1)), int(m.group(2))) for m in re.finditer(r"^step (\d+)/(\d+) \| loss [\d.]+ \| ", output,
                                                                    re.MULTILINE)]

@@ -26,14 +26,15 @@ _JOB_ENV_DROP = ("LIT_TITAN_RUN_DIR", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"
                  "GROUP_RANK", "LOCAL_WORLD_SIZE", "GLOBAL_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
-def run_job(cmd: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | str | None = None
-            ) -> subprocess.CompletedProcess:
+def run_job(cmd: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | str | None = None,
+            allow_noise: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run a (possibly multi-process) job in a clean distributed environment and its own session.
 
     On a timeout the whole job (Lightning's child ranks too) is killed; otherwise a rank left
-    waiting for a dead peer keeps our output pipes open and the test hangs.
+    waiting for a dead peer keeps our output pipes open and the test hangs. The output of a job
+    that succeeds is read by ``noise`` (see ``Job.wait``).
     """
-    return start_job(cmd, env=env, cwd=cwd).wait(timeout)
+    return start_job(cmd, env=env, cwd=cwd).wait(timeout, allow_noise=allow_noise)
 
 
 class Job:
@@ -49,7 +50,13 @@ class Job:
                                        cwd=cwd, start_new_session=True)
         self._result: subprocess.CompletedProcess | None = None
 
-    def wait(self, timeout: int = 600) -> subprocess.CompletedProcess:
+    def wait(self, timeout: int = 600, *, allow_noise: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        """The finished job; one that exits 0 must print no warning, traceback or tip (``noise``).
+
+        What the reused worlds check for every case (tests/world.py), here for the command lines: a
+        test that expects such a line passes ``allow_noise=("text of that line",)`` and says why. A
+        job that fails is the test's to judge (it reads the error it expects).
+        """
         if self._result is None:
             popen = self._popen
             try:
@@ -61,6 +68,15 @@ class Job:
             finally:
                 _kill_group(popen.pid)
             self._result = subprocess.CompletedProcess(self.cmd, popen.returncode, out, err)
+        if self._result.returncode == 0:
+            found = [line for line in noise(self._result.stdout + "\n" + self._result.stderr)
+                     if not any(a in line for a in allow_noise)]
+            if found:
+                raise AssertionError(
+                    f"{' '.join(self.cmd)} succeeded but printed {len(found)} unexpected warning or traceback "
+                    "line(s); fix the cause, or add a dependency's message a user cannot act on to "
+                    "lit_titan/known_warnings.py:\n" + "\n".join(found[:40])
+                    + f"\n--- stdout ---\n{self._result.stdout[-3000:]}\n--- stderr ---\n{self._result.stderr[-6000:]}")
         return self._result
 
 
@@ -74,9 +90,10 @@ def start_job(cmd: list[str], *, env: dict | None = None, cwd: Path | str | None
 
 
 def run_cli(overrides: list[str], run_dir: Path, *, check: bool = True, timeout: int = 600,
-            module: str = "lit_titan.train") -> subprocess.CompletedProcess:
+            module: str = "lit_titan.train", allow_noise: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``python -m MODULE OVERRIDES run_dir=RUN_DIR``; a run that succeeds prints no warning (``Job.wait``)."""
     cmd = [sys.executable, "-m", module, *overrides, f"run_dir={run_dir}"]
-    proc = run_job(cmd, timeout=timeout)
+    proc = run_job(cmd, timeout=timeout, allow_noise=allow_noise)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -290,3 +290,14 @@ def check_case(case: str, reference: Path, got: Path) -> Report:
     ratio, what = report.margin(TOL)
     assert ratio <= 1.0, f"{case}: parity broken: {what}\n  all: {report.summary()}"
     return report
+
+
+def run_layout(worlds, overrides: list[str], run_dir: Path, mutant: str | None = None,
+               steps: list[int] = DUMP_STEPS) -> Path:
+    """A run of ``PARITY + overrides`` with the dump, for a file whose cases are not in ``CASES`` (its own
+    model setting, probe or reference); ``devices_of(overrides)`` picks the world."""
+    from world import devices_of
+
+    argv = [*PARITY, "checkpoint.enabled=false", *overrides, f"run_dir={run_dir}"]
+    worlds.run(devices_of(argv), "parity:train_case", argv, str(run_dir / "dump"), steps, mutant, timeout=600)
+    return run_dir

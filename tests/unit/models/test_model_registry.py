@@ -78,7 +78,7 @@ def toy_family(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_second_family_is_one_registry_entry(toy_family: None, tmp_path: Path) -> None:
-    from lit_titan.config import model_overrides
+    from lit_titan.config.spec import model_overrides
     from lit_titan.module import PretrainModule
 
     assert registry.spec_for("toy_tiny") is TOY and registry.spec_for("llama3_debug").name == "llama3"

@@ -1,9 +1,10 @@
 """Gradient accumulation keeps gradients sharded; fused AdamW on CUDA; the planner counts both.
 
-- Every rank's gradient storage at every micro-batch boundary (dp_shard=4, accumulation 4),
+- Every rank's gradient storage at every micro-batch boundary (dp_shard=4, accumulation 2),
   measured where FSDP2 really keeps it (``lit_titan.strategies.fsdp.gradient_storage_bytes``),
   is about 1/4 of the model by default, and the whole model under the explicit
-  ``parallel.grad_reduce_scatter=last_microbatch``; losses equal one process under both.
+  ``parallel.grad_reduce_scatter=last_microbatch``; under both, pre-clip gradients, the clip norm,
+  weights and losses equal one process's (tests/parity.py).
 - HSDP with accumulation reduce-scatters every micro-batch and all-reduces once per step.
 - The AdamW implementation decision (``lit_titan.optim.build.adamw_implementation``).
 - The planner's gradient term and step time follow the option; without HBM facts it says "fit unknown".
@@ -19,48 +20,30 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import TINY, assert_losses_match, losses, read_metrics, run_job
+from helpers import run_job
+from parity import STEPS, check_case, run_layout
 
-STEPS = 3
-ACCUMULATION = 4
-# global batch 16 = dp 4 x micro 1 x accumulation 4; the one-process reference loads the same
-# dp x micro = 4 sequences per loader batch (docs/architecture.md, "Data order").
-COMMON = [*(o for o in TINY if not o.startswith("data.global_batch_size=")), "data.global_batch_size=16",
-          f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "checkpoint.enabled=false"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, worlds):
-    run_dir = tmp_path_factory.mktemp("single")
-    worlds.train([*COMMON, "cluster.devices=1", "data.micro_batch_size=4"], run_dir)
-    return run_dir
+# dp_shard 4 x micro-batch 1 x accumulation 2 = parity.PARITY's global batch of 8: the session's one-process
+# reference (tests/parity.py, ``parity_reference``) is what both modes must train to.
+ACCUMULATION = 2
+LAYOUT = ["cluster.devices=4", "data.micro_batch_size=1"]
 
 
 def _run_with_probe(worlds, run_dir: Path, extra: list[str]) -> list[dict]:
     probe = run_dir / "probe"
-    worlds.train([*COMMON, "cluster.devices=4", "data.micro_batch_size=1", *extra,
-                  "+callbacks.grad_probe._target_=scripts.grad_memory_probe.GradMemoryProbe",
-                  f"+callbacks.grad_probe.out={probe}"], run_dir)
+    run_layout(worlds, [*LAYOUT, *extra, "+callbacks.grad_probe._target_=scripts.grad_memory_probe.GradMemoryProbe",
+                        f"+callbacks.grad_probe.out={probe}"], run_dir)
     return [json.loads((probe / f"rank{r}.json").read_text()) for r in range(4)]
-
-
-def _assert_same_training(run_dir: Path, reference: Path) -> None:
-    assert_losses_match(losses(run_dir), losses(reference), rtol=1e-5)
-    # Loss parity under AdamW is blind to a uniform gradient scale: compare the gradient norms too.
-    got = [float(r["train/grad_norm"]) for r in read_metrics(run_dir)]
-    ref = [float(r["train/grad_norm"]) for r in read_metrics(reference)]
-    assert len(got) == len(ref) == STEPS and all(r > 0 for r in ref)
-    for g, r in zip(got, ref):
-        assert abs(g - r) / r < 1e-4, (got, ref)
 
 
 @pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["every_microbatch", "last_microbatch"])
-def test_gradients_stay_sharded_between_micro_batches(mode, reference, tmp_path, worlds):
+def test_gradients_stay_sharded_between_micro_batches(mode, parity_reference, tmp_path, worlds):
     extra = [] if mode == "every_microbatch" else [f"parallel.grad_reduce_scatter={mode}"]
     ranks = _run_with_probe(worlds, tmp_path, extra)
-    _assert_same_training(tmp_path, reference)
+    # pre-clip gradients, the clip norm, weights and losses of one process (lr 1e-2, clipping engaged)
+    check_case(f"dp4_accum2_{mode}", parity_reference, tmp_path)
     for rank in ranks:
         assert rank["accumulation"] == ACCUMULATION and rank["world_size"] == 4
         total, records = rank["model_grad_bytes"], rank["records"]
