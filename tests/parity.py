@@ -42,7 +42,12 @@ def single_device_name(name: str) -> str:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to("cpu", copy=True)
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    while is_traceable_wrapper_subclass(t):  # Float8's weights wrap the plain weight: dumps load weights_only
+        t = getattr(t, t.__tensor_flatten__()[0][0])
+    return t.detach().to("cpu", copy=True)
 
 
 def _gather_to_rank0(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
