@@ -301,7 +301,7 @@ class TitanStrategy(ModelParallelStrategy):
             model, views = self._split_pipeline(model, plan)
             # Pipeline stages run several micro-batches between forward and backward; resharding
             # after forward gave wrong gradients with zero-bubble schedules, silently
-            # (tests/test_pipeline.py::test_zero_bubble_schedules_match_single_process).
+            # (tests/parity/test_pipeline.py::test_zero_bubble_schedules_match_single_process).
             fsdp_config = replace(fsdp_config, reshard_after_forward=False)
         param_dtype, _ = mixed_precision_for(precision)
         for view in views:

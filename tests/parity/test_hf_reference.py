@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lit_titan.data.documents import document_ids, document_positions
+from lit_titan.data import documents as data_documents  # looked up at call time: tests/support/mutants patch it
 from lit_titan.models.llama3 import Transformer, get_flavor, hf
 from lit_titan.models.llama3.args import RopeScaling
 from lit_titan.module import PretrainModule
@@ -80,15 +80,20 @@ def _ref_nll_sum(ref: LlamaForCausalLM, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
 
 
-def _assert_grads_equal(got: dict[str, torch.Tensor], ref: LlamaForCausalLM, rtol: float = RTOL) -> None:
-    """Each gradient ``got`` (HF names, HF rotary layout) against the reference's: max |diff| / max |ref|.
-    Fails naming the worst parameter and how many exceed ``rtol``."""
+def _grad_errors(got: dict[str, torch.Tensor], ref: LlamaForCausalLM) -> dict[str, float]:
     want = {n: p.grad for n, p in ref.named_parameters()}
     assert got.keys() == want.keys()
     errors = {}
     for name, w in want.items():
         assert w is not None and w.abs().max() > 0, name
         errors[name] = ((got[name] - w).abs().max() / w.abs().max()).item()
+    return errors
+
+
+def _assert_grads_equal(got: dict[str, torch.Tensor], ref: LlamaForCausalLM, rtol: float = RTOL) -> None:
+    """Each gradient ``got`` (HF names, HF rotary layout) against the reference's: max |diff| / max |ref|.
+    Fails naming the worst parameter and how many exceed ``rtol``."""
+    errors = _grad_errors(got, ref)
     worst = max(errors, key=errors.get)
     bad = sum(e >= rtol for e in errors.values())
     assert not bad, (f"{worst}: max relative gradient error {errors[worst]:.3g} >= {rtol:g} "
@@ -131,15 +136,13 @@ def _packed_rows() -> torch.Tensor:
     return rows
 
 
-def test_packed_documents_equal_each_document_alone_in_transformers():
-    """Document masking: the packed batch's gradients equal those of each document run alone through
-    transformers as its own sequence (its labels: its tokens after the first, and the first token after
-    it, as the packed row holds them), with positions restarting per document (``data.document_positions``)
-    and continuing across them (rotary embeddings are relative: the same up to rounding)."""
+def _packed_reference():
+    """The packed rows, their positions (``data.document_positions``) and document ids, and transformers
+    after a backward of each document run alone as its own sequence."""
     args = _args(False, ROPE31)
     rows = _packed_rows()
-    positions = torch.from_numpy(document_positions(rows.numpy(), EOS))
-    documents = torch.from_numpy(document_ids(rows.numpy(), EOS))
+    positions = torch.from_numpy(data_documents.document_positions(rows.numpy(), EOS))
+    documents = torch.from_numpy(data_documents.document_ids(rows.numpy(), EOS))
     assert documents.max(dim=1).values.tolist() == [2, 1]
 
     ref = _reference(_ours(args))
@@ -149,7 +152,26 @@ def test_packed_documents_equal_each_document_alone_in_transformers():
             idx = (documents[r] == d).nonzero().flatten()
             total = total + _ref_nll_sum(ref, rows[r : r + 1, int(idx[0]) : int(idx[-1]) + 2])
     (total / rows[:, 1:].numel()).backward()
+    return args, rows, positions, documents, ref
 
+
+def packed_positions_error() -> tuple[float, str]:
+    """The worst relative gradient error (and its parameter) of the packed batch with the data path's
+    positions against each document alone: what tests/parity/test_mutants.py measures a positions mutant by."""
+    args, rows, positions, documents, ref = _packed_reference()
+    ours = _ours(args)
+    ours(rows[:, :-1], positions, labels=rows[:, 1:], documents=documents).backward()
+    errors = _grad_errors(_grads(ours), ref)
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst
+
+
+def test_packed_documents_equal_each_document_alone_in_transformers():
+    """Document masking: the packed batch's gradients equal those of each document run alone through
+    transformers as its own sequence (its labels: its tokens after the first, and the first token after
+    it, as the packed row holds them), with positions restarting per document (``data.document_positions``)
+    and continuing across them (rotary embeddings are relative: the same up to rounding)."""
+    args, rows, positions, documents, ref = _packed_reference()
     for pos in (positions, None):
         ours = _ours(args)
         ours(rows[:, :-1], pos, labels=rows[:, 1:], documents=documents).backward()

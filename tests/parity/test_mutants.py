@@ -2,8 +2,10 @@
 by at least 10x its tolerance.
 
 One run per mutant, in the reused worlds, against the session's shared one-process reference
-(tests/support/parity.py). The margin is the largest error / tolerance over the kinds the parity check
-compares (loss, pre-clip gradients, clip norm, post-step weights). The measured table goes to
+(tests/support/parity.py); a mutant of code every layout shares (``REFERENCE_TARGETS``) runs instead against
+the independent reference of tests/parity/test_hf_reference.py, in this process. The margin is the largest
+error / tolerance over the kinds the parity check compares (loss, pre-clip gradients, clip norm,
+post-step weights). The measured table goes to
 ``$MUTANT_TABLE`` when set (docs/testing.md, "Mutants", is that output).
 """
 
@@ -14,7 +16,7 @@ import os
 
 import pytest
 
-from mutants import MUTANTS
+from mutants import MUTANTS, applied
 from parity import TOL, measure, run_case
 
 pytestmark = pytest.mark.slow
@@ -40,11 +42,28 @@ TARGETS = {
                                    "resume_dp2"),
     "resume_skips_lr_scheduler": ("test_parallel.py::test_resume_into_dp2_continues_the_single_process_run",
                                   "resume_dp2"),
+    "loss_parallel_local_logsumexp": ("test_parallel.py::test_layout_matches_single_process", "tp2"),
+}
+
+# Mutants of code every layout shares (the data path's positions): the one-process reference has the same bug,
+# so no parity case can see one. The independent reference catches them instead, in this process:
+# mutant -> (the test, a function returning its worst relative gradient error and where, its tolerance).
+REFERENCE_TARGETS = {
+    "rope_positions_off_after_document": (
+        "test_hf_reference.py::test_packed_documents_equal_each_document_alone_in_transformers",
+        "test_hf_reference:packed_positions_error", "test_hf_reference:RTOL"),
 }
 
 
+def _resolve(target: str):
+    import importlib
+
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def test_every_mutant_has_a_target():
-    assert set(TARGETS) == set(MUTANTS) and len(MUTANTS) >= 12
+    assert set(TARGETS) | set(REFERENCE_TARGETS) == set(MUTANTS) and len(MUTANTS) >= 12
 
 
 def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, worlds):
@@ -54,6 +73,12 @@ def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, wo
         ratio, what = report.margin(TOL)
         rows.append({"mutant": name, "bug": MUTANTS[name].bug, "where": MUTANTS[name].where,
                      "test": f"{test}[{case}]", "margin": ratio, "effect": what})
+    for name, (test, measure_error, tolerance) in REFERENCE_TARGETS.items():
+        with applied(name):
+            err, where = _resolve(measure_error)()
+        tol = _resolve(tolerance)
+        rows.append({"mutant": name, "bug": MUTANTS[name].bug, "where": MUTANTS[name].where, "test": test,
+                     "margin": err / tol, "effect": f"grads {where}: {err:.3g} (tolerance {tol:.1g})"})
     table = ["| mutant | bug | caught by | effect (tolerance) | margin |", "| --- | --- | --- | --- | --- |"]
     table += [f"| `{r['mutant']}` | {r['bug']} (`{r['where']}`) | `{r['test']}` | {r['effect']} | "
               f"{r['margin']:.3g}x |" for r in rows]

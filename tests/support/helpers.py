@@ -53,7 +53,7 @@ class Job:
     def wait(self, timeout: int = 600, *, allow_noise: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
         """The finished job; one that exits 0 must print no warning, traceback or tip (``noise``).
 
-        What the reused worlds check for every case (tests/world.py), here for the command lines: a
+        What the reused worlds check for every case (tests/support/world.py), here for the command lines: a
         test that expects such a line passes ``allow_noise=("text of that line",)`` and says why. A
         job that fails is the test's to judge (it reads the error it expects).
         """

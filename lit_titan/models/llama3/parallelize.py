@@ -3,7 +3,7 @@
 Change: the residual stream between blocks stays a Shard(1) DTensor (``use_local_output=False``
 on the embedding, attention.wo and feed_forward.w2). With local tensors there, torch.compile x TP
 crashes in backward and FSDP x TP x compile trains silently wrong, with no error raised (torch 2.13
-and 2.14; tests/test_callbacks.py::test_compile_x_tp_x_fsdp_matches_eager_single_process guards it).
+and 2.14; tests/unit/callbacks/test_callbacks.py::test_compile_x_tp_x_fsdp_matches_eager_single_process guards it).
 """
 
 from __future__ import annotations

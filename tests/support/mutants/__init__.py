@@ -261,3 +261,38 @@ def _resume_lr(p: _Patcher) -> None:
         return meta
 
     p.set(strategy, "load_sharded", load_sharded)
+
+
+@mutant("loss_parallel_local_logsumexp", "loss parallel normalises the log-softmax over each TP rank's vocab "
+        "shard only (a local logsumexp)", "strategies/strategy.py: TitanStrategy._loss_context (loss_parallel)")
+def _loss_parallel_local(p: _Patcher) -> None:
+    # The bug a hand-written vocab-parallel cross-entropy makes when it forgets the all-reduces: torch's
+    # loss_parallel() computes log_softmax on the local logits (Shard(-1)) with a MAX and a SUM
+    # all-reduce over the TP mesh dim; here each rank keeps its own shard's logsumexp.
+    import torch
+    from torch.distributed.tensor.parallel import loss
+
+    def local_log_softmax(x, dim, half_to_float, mesh, mesh_dim):
+        return torch._log_softmax(x, dim, half_to_float)
+
+    p.set(loss, "_log_softmax", local_log_softmax)
+
+
+@mutant("rope_positions_off_after_document", "after a document boundary the RoPE positions restart one token "
+        "late (the first token of each document continues the previous document's positions)",
+        "data/documents.py: document_positions")
+def _positions_off_by_one(p: _Patcher) -> None:
+    import numpy as np
+
+    from lit_titan.data import batches, documents
+
+    def document_positions(tokens, eos_id):
+        inputs = np.asarray(tokens)[:, :-1]
+        m, s = inputs.shape
+        idx = np.broadcast_to(np.arange(s, dtype=np.int64), (m, s))
+        starts = np.zeros((m, s), dtype=np.int64)
+        starts[:, 2:] = np.where(inputs[:, :-2] == eos_id, idx[:, 2:], 0)  # one token late
+        return idx - np.maximum.accumulate(starts, axis=1)
+
+    p.set(documents, "document_positions", document_positions)
+    p.set(batches, "document_positions", document_positions)

@@ -4,7 +4,9 @@ Usage: float8_dp2tp2.py OUT_JSON DEVICES [key=value ...]
   strategy kwargs (dp_shard=2 tp=2 ...), precision=bf16-mixed, accelerator=cpu, float8=0|1, compile=0|1,
   steps=N (the LR schedule's length), max_steps=M (stop after M <= N steps: same schedule, fewer steps),
   float8.<Float8 kwarg>=value (recipe, enable_fsdp_float8_all_gather, precompute_scales, emulate, float8_tp),
-  model.<model arg>=value (e.g. model.parallel_block=true), optim.<OptimConfig field>=value (e.g. optim.lr=1e-2).
+  model.<model arg>=value (e.g. model.parallel_block=true), optim.<OptimConfig field>=value (e.g. optim.lr=1e-2),
+  clip=C (trainer gradient_clip_val), data.micro_batch_size=B with accumulate=N (per-rank batch / B),
+  dump=DIR (tests/support/parity.py's ParityDump at parity.DUMP_STEPS into DIR).
 Run as a script (Lightning's launcher re-runs it for the other ranks, hence the __main__ guard), or
 call ``main(argv)`` on every rank of a running world (tests/support/world.py): the watches it installs are
 removed again when it returns, so the next case in the same process starts clean.
@@ -78,6 +80,8 @@ class Record(L.Callback):
         self.out, self.losses, self.scales_set = out, [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # inside an accumulation window: the step's loss is logged at its last micro-batch
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
         # Did the FSDP float8 all-gather weights get a precomputed scale (set by Float8 after the step)?
         w = [m.weight for m in pl_module.model.modules() if type(m).__name__ == "Float8Linear"]
@@ -109,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     strategy_kwargs, float8_kwargs, model_kwargs = {}, {"emulate": True, "auto_filter_small_kn": False}, {}
     optim_kwargs: dict = {}
     precision, accelerator, steps, max_steps, use_float8, use_compile = "bf16-mixed", "cpu", 20, None, True, False
+    trainer_kwargs: dict = {}
+    data_kwargs: dict = {}
+    callbacks: list = []
     for item in argv[2:]:
         key, value = item.split("=", 1)
         if key == "precision":
@@ -123,6 +130,16 @@ def main(argv: list[str] | None = None) -> None:
             use_compile = bool(int(value))
         elif key == "float8":
             use_float8 = bool(int(value))
+        elif key.startswith("data."):
+            data_kwargs[key.removeprefix("data.")] = _parse(value)
+        elif key == "accumulate":
+            trainer_kwargs["accumulate_grad_batches"] = int(value)
+        elif key == "clip":
+            trainer_kwargs["gradient_clip_val"] = float(value)
+        elif key == "dump":
+            from parity import DUMP_STEPS, ParityDump  # tests/ is on the path in a world's ranks
+
+            callbacks.append(ParityDump(value, DUMP_STEPS))
         elif key.startswith("optim."):
             optim_kwargs[key.removeprefix("optim.")] = float(value)
         elif key.startswith("model."):
@@ -137,24 +154,25 @@ def main(argv: list[str] | None = None) -> None:
         _watch_float8_all_gather(stack)
         _watch_float8_tp_all_gather(accelerator == "cpu", stack)
         _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8,
-               use_compile, model_kwargs, optim_kwargs)
+               use_compile, model_kwargs, optim_kwargs, trainer_kwargs, data_kwargs, callbacks)
 
 
 def _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8,
-           use_compile, model_kwargs, optim_kwargs) -> None:
+           use_compile, model_kwargs, optim_kwargs, trainer_kwargs, data_kwargs, extra_callbacks) -> None:
     torch.manual_seed(0)
     module = PretrainModule("llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512,
                                              **model_kwargs},
                             {"total_steps": steps, "warmup_steps": 2, **optim_kwargs})
     data = PretrainDataModule(seq_len=32, global_batch_size=8, max_bytes=300_000,
                               tokenizer={"kind": "bpe", "vocab_size": 512}, model_vocab_size=512,
-                              data_dir=os.environ["LIT_TITAN_CACHE"])
+                              data_dir=os.environ["LIT_TITAN_CACHE"], **data_kwargs)
     callbacks = [Record(out)] + ([Float8(**float8_kwargs)] if use_float8 else []) + ([Compile()] if use_compile else [])
+    callbacks += extra_callbacks
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=TitanStrategy(**strategy_kwargs),
                         precision=precision, max_steps=max_steps or steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
-                        log_every_n_steps=1)  # Record reads train/loss every step
+                        log_every_n_steps=1, **trainer_kwargs)  # Record reads train/loss every step
     trainer.fit(module, datamodule=data)
 
 

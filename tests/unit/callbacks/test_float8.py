@@ -4,14 +4,10 @@ Tolerances (measured on CPU, emulate=True, tiny model dim 64 / 2 layers / vocab 
 - Float8 (tensorwise) vs the same run without Float8, 20 steps, 1 process: max relative loss
   difference 8.4e-5 -> asserted <= 2.5e-4 (3x). The reference is bf16-mixed *without* Float8 (FSDP
   bf16 params, fp32 reduce), so the only difference is the float8 casts of the converted GEMMs.
-- Float8 dp2 x tp2 (4 gloo processes, FP8 all-gather) vs Float8 in 1 process, first 5 steps:
-  4.4e-5 -> asserted <= 1.5e-4 (3x).
-- Float8 with float8_tp=True, tp2 (2 gloo processes, float8 TP all-gathers sent as bytes) vs Float8
-  in 1 process, first 5 steps: 2.3e-5 -> asserted <= 1e-4 (4x). The same run with the ordinary TP
-  styles gave bitwise the same losses (seen 2026-11-22): float8 TP changes what the all-gathers
-  carry, not the numbers, because torchao's float8 styles take the same global tensorwise scales.
-- Float8 with model.parallel_block=true, dp2 x tp2 vs 1 process, fp32, lr 1e-2, 5 steps: 3.8e-5 ->
-  asserted <= 1.5e-4 (a dropped TP reduction in the block: 6.0e-3).
+- Float8 dp2 x tp2, float8_tp tp2 and parallel_block dp2 x tp2 against one Float8 process: the parity
+  harness (tests/support/parity.py) with Float8's own measured tolerance, ``FLOAT8_TOL`` below. float8_tp
+  changes what the TP all-gathers carry, not the numbers: torchao's float8 styles take the same global
+  tensorwise scales (the same run with the ordinary TP styles gave bitwise the same losses, 2026-11-22).
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ import pytest
 
 from helpers import run_job
 from paths import SCRIPTS
+from parity import CLIP, MIN_LOSS_DROP, STEPS, Tolerance, compare, norms
 import torch
 from torch import nn
 
@@ -346,54 +343,99 @@ def test_emulated_float8_tracks_bf16(single_process_runs):
     assert f8["scales_set"] == [0] + [14] * 19
 
 
+# ---- parity with one process, Float8 (emulated) on both sides: tests/support/parity.py's harness ----------
+# The parity regime (fp32, lr 1e-2, 8 steps, clipping at 0.3 engaged every step): pre-clip gradients,
+# clip norm and weights at steps 0, 4 and 7, and every loss, against one Float8 process (this file's
+# reference, shared by the two plain-block cases).
+# Micro-batches of 4 samples, accumulated up to each rank's share of the 8 (so accumulation runs with
+# Float8 in the reference and the tp2 case).
+FLOAT8_PARITY = ["precision=32-true", "optim.lr=1e-2", f"steps={STEPS}", f"clip={CLIP}", "data.micro_batch_size=4"]
+# Float8's own tolerance. Noise floor, measured 2026-11-25 (CPU, gloo, torch 2.15, emulated; the worst
+# over the three cases below against their one-process Float8 reference, PARITY_RECORD): clip norm
+# 5.4e-4 (dp2 x tp2: 4.3e-5, tp2: 8.9e-5), loss 2.0e-4, but gradients 0.21 per parameter (max |diff| /
+# max |ref|) and weights 0.62. Not understood yet: dp2 x tp2's gradients are 0.09 off (7.5% in Frobenius
+# norm) already at step 0, same weights, where tp2 alone is 1.4e-3 off (3e-7 without accumulation); a
+# suspect, not checked, is the FSDP float8 all-gather's weight scale (its amax reduced over the
+# data-parallel mesh only?) against one process's whole-tensor scale. So the clip norm and the losses are
+# Float8's oracle (a gradient-scale error of 1% is 4x the norm's bound); the gradient and weight bounds
+# catch gross errors only. Each bound is about 4x its floor.
+FLOAT8_TOL = Tolerance(grads=0.8, norm=2.5e-3, params=2.5, loss=1e-3)
+
+
+def _float8_parity_run(worlds, run_dir: Path, devices: int, *args: str) -> dict:
+    """FLOAT8_PARITY on ``devices`` ranks; micro-batches of 4 accumulated up to each rank's share of 8."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dp = 2 if "dp_shard=2" in args else 1
+    return _run_in_world(worlds, run_dir / "run.json", devices, *FLOAT8_PARITY, f"accumulate={8 // dp // 4}",
+                         f"dump={run_dir / 'dump'}", *args)
+
+
+def _check_float8_parity(case: str, ref: dict, ref_dir: Path, got: dict, got_dir: Path) -> None:
+    """The reference learns with clipping engaged; gradients, norms, weights and losses match it."""
+    import os
+
+    assert ref["losses"][0] - ref["losses"][-1] >= MIN_LOSS_DROP, f"the reference did not learn: {ref['losses']}"
+    assert min(norms(ref_dir / "dump").values()) > CLIP, "clipping never engaged in the reference"
+    assert len(got["losses"]) == len(ref["losses"]) == STEPS
+    report = compare(ref_dir / "dump", got_dir / "dump")
+    report.add("loss", _max_rel(got["losses"], ref["losses"]), "worst step")
+    if os.environ.get("PARITY_RECORD"):  # the noise floor measurement (see FLOAT8_TOL)
+        with open(os.environ["PARITY_RECORD"], "a") as f:
+            f.write(json.dumps({"case": case, **{k: v[0] for k, v in report.worst.items()}}) + "\n")
+    ratio, what = report.margin(FLOAT8_TOL)
+    assert ratio <= 1.0, f"{case}: parity broken: {what}\n  all: {report.summary()}"
+
+
+@pytest.fixture(scope="module")
+def float8_reference(tmp_path_factory, worlds) -> tuple[dict, Path]:
+    run_dir = tmp_path_factory.mktemp("float8_parity") / "one"
+    return _float8_parity_run(worlds, run_dir, 1), run_dir
+
+
 @pytest.mark.parity
 @pytest.mark.slow
-def test_float8_dp2_tp2_gloo(single_process_runs, tmp_path, worlds):
-    # 5 steps of the same 20-step schedule; ordinary TP styles; FP8 all-gather over gloo.
-    got = _run_in_world(worlds, tmp_path / "dp2tp2.json", 4, "dp_shard=2", "tp=2", "max_steps=5")
+def test_float8_dp2_tp2_gloo(float8_reference, tmp_path, worlds):
+    # ordinary TP styles; FP8 all-gather over gloo (FSDP over dp_shard=2 gathers the float8 weights)
+    got = _float8_parity_run(worlds, tmp_path, 4, "dp_shard=2", "tp=2")
     assert got["float8_modules"] == 14
     assert got["all_gather_dtypes"] == ["torch.float8_e4m3fn"]
-    assert got["scales_set"] == [0, 14, 14, 14, 14]
+    assert got["scales_set"] == [0] + [14] * (STEPS - 1)
     assert all(torch.isfinite(torch.tensor(got["losses"])))
-    worst = _max_rel(got["losses"], single_process_runs["float8"]["losses"][:5])
-    assert worst <= 1.5e-4, (worst, got["losses"])
+    _check_float8_parity("float8_dp2tp2", *float8_reference, got, tmp_path)
 
 
 @pytest.mark.parity
 @pytest.mark.slow
-def test_float8_tp_tp2_gloo_matches_one_process(single_process_runs, tmp_path, worlds):
+def test_float8_tp_tp2_gloo_matches_one_process(float8_reference, tmp_path, worlds):
     # Real float8 TP styles over 2 gloo processes; gloo has no float8 collectives, so the script sends
-    # those all-gathers as their bytes (uint8 views: same bytes, other transport dtype).
-    got = _run_in_world(worlds, tmp_path / "tp2_float8_tp.json", 2, "tp=2", "dp_shard=1", "max_steps=5",
-                      "float8.float8_tp=true")
+    # those all-gathers as their bytes (uint8 views: same bytes, other transport dtype). fp32 and no data
+    # parallelism: no FSDP here (test_float8_dp2_tp2_gloo and the bf16-mixed run check its FP8 all-gather).
+    # Two accumulated micro-batches per step, as in the reference.
+    got = _float8_parity_run(worlds, tmp_path, 2, "tp=2", "dp_shard=1", "float8.float8_tp=true")
     assert got["float8_modules"] == 14
-    assert got["tp_float8_all_gathers"] == 5 * 2 * 4  # steps x blocks x (2 forward + 2 backward)
-    assert got["all_gather_dtypes"] == ["torch.float8_e4m3fn"]  # FSDP (bf16-mixed) gathers float8 too
-    worst = _max_rel(got["losses"], single_process_runs["float8"]["losses"][:5])
-    assert worst <= 1e-4, (worst, got["losses"])
+    # steps x micro-batches x blocks x (2 forward + 2 backward)
+    assert got["tp_float8_all_gathers"] == STEPS * 2 * 2 * 4
+    _check_float8_parity("float8_tp_tp2", *float8_reference, got, tmp_path)
 
 
 @pytest.mark.parity
 @pytest.mark.slow
 def test_float8_parallel_block_dp2_tp2_matches_one_process(tmp_path, worlds):
     """model.parallel_block=true under Float8 (emulated): the same 14 block linears convert, and dp2 x tp2 (one
-    fused reduction per block, FP8 all-gather) tracks one process of the same parallel-block model.
+    fused reduction per block, FP8 all-gather) matches one process of the same parallel-block model.
 
-    fp32 and lr 1e-2 so the bound can tell: seen 3.8e-5 (2026-11-24); with the block's TP reduction dropped
-    (wo/w2 local partial sums passed on as if replicated) 6.0e-3, so 1.5e-4 fails it. Under bf16-mixed at
-    lr 1e-3 that broken plan was only 2.6e-4 off, too close to bf16's noise. The losses alone do not tell
-    the two block forms apart under Float8 (the sequential block was within 1e-4 at bf16, lr 1e-2), so the
-    model's structure shows the setting arrived: no ffn_norm (test_parallel_block.py shows it in fp32)."""
-    run = ["max_steps=5", "model.parallel_block=true", "precision=32-true", "optim.lr=1e-2"]
-    one = _run_in_world(worlds, tmp_path / "one.json", 1, *run)
-    got = _run_in_world(worlds, tmp_path / "dp2tp2.json", 4, "dp_shard=2", "tp=2", *run)
+    Seen before the harness (losses only, 5 steps): 3.8e-5; with the block's TP reduction dropped (wo/w2
+    local partial sums passed on as if replicated) 6.0e-3. The losses alone do not tell the two block forms
+    apart under Float8, so the model's structure shows the setting arrived: no ffn_norm
+    (test_parallel_block.py shows it in fp32)."""
+    one = _float8_parity_run(worlds, tmp_path / "one", 1, "model.parallel_block=true")
+    got = _float8_parity_run(worlds, tmp_path / "dp2tp2", 4, "dp_shard=2", "tp=2", "model.parallel_block=true")
     for r in (one, got):
         assert r["float8_modules"] == 14 and r["ffn_norms"] == 0, r
     # FSDP over dp_shard=2 gathers the float8 weights in float8 (one fp32 process has no FSDP all-gather)
-    assert got["all_gather_dtypes"] == ["torch.float8_e4m3fn"] and got["scales_set"] == [0, 14, 14, 14, 14], got
-    worst = _max_rel(got["losses"], one["losses"])
-    print(f"float8 parallel_block dp2 x tp2 vs one process: {worst:.3g}")
-    assert worst <= 1.5e-4, (worst, got["losses"], one["losses"])
+    assert got["all_gather_dtypes"] == ["torch.float8_e4m3fn"], got
+    assert got["scales_set"] == [0] + [14] * (STEPS - 1), got
+    _check_float8_parity("float8_parallel_block_dp2tp2", one, tmp_path / "one", got, tmp_path / "dp2tp2")
 
 
 # ---- real FP8 hardware -------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def test_tp_collectives_per_block_halve(worlds):
     assert par_act * 2 == seq_act > 0, got
 
 
-# Parity (tests/parity.py): pre-clip gradients, clip norm, weights and losses equal a one-process run of the
+# Parity (tests/support/parity.py): pre-clip gradients, clip norm, weights and losses equal a one-process run of the
 # parallel block with the same seed and global batch, in parity.PARITY's regime (lr 1e-2, clipping engaged).
 PARALLEL = ["model.parallel_block=true"]
 LAYOUTS = {"pp2": ["cluster.devices=2", "parallel.pp=2"],

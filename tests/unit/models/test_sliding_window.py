@@ -79,7 +79,7 @@ def test_window_longer_than_seq_len_one_line():
     assert "model.sliding_window=64: exceeds data.seq_len=32" in msg and "\n" not in msg
 
 
-# Parity (tests/parity.py): every layout's pre-clip gradients, clip norm, weights and losses equal a one-process
+# Parity (tests/support/parity.py): every layout's pre-clip gradients, clip norm, weights and losses equal a one-process
 # run of the same window, seed and global batch, in parity.PARITY's regime (lr 1e-2, clipping engaged).
 WINDOW = ["model.sliding_window=8"]
 LAYOUTS = {"dp2_tp2": ["cluster.devices=4", "parallel.tp=2"],

@@ -4,7 +4,7 @@
   measured where FSDP2 really keeps it (``lit_titan.strategies.fsdp.gradient_storage_bytes``),
   is about 1/4 of the model by default, and the whole model under the explicit
   ``parallel.grad_reduce_scatter=last_microbatch``; under both, pre-clip gradients, the clip norm,
-  weights and losses equal one process's (tests/parity.py).
+  weights and losses equal one process's (tests/support/parity.py).
 - HSDP with accumulation reduce-scatters every micro-batch and all-reduces once per step.
 - The AdamW implementation decision (``lit_titan.optim.build.adamw_implementation``).
 - The planner's gradient term and step time follow the option; without HBM facts it says "fit unknown".
@@ -24,7 +24,7 @@ from helpers import run_job
 from parity import STEPS, check_case, run_layout
 
 # dp_shard 4 x micro-batch 1 x accumulation 2 = parity.PARITY's global batch of 8: the session's one-process
-# reference (tests/parity.py, ``parity_reference``) is what both modes must train to.
+# reference (tests/support/parity.py, ``parity_reference``) is what both modes must train to.
 ACCUMULATION = 2
 LAYOUT = ["cluster.devices=4", "data.micro_batch_size=1"]
 
