@@ -197,3 +197,42 @@ def test_flavors_have_the_published_shapes_and_count_active_flops():
     assert all(torch.equal(back[k], sd[k]) for k in back)
     with pytest.raises(ValueError, match="top_k=9"):
         _args(top_k=9)
+
+
+def ep_gradient_case() -> float:
+    """On each rank of a gloo world: ep = world size, each rank one row of the batch; returns the worst
+    per-parameter relative gradient error (over ranks) against one process on the whole batch."""
+    import torch.distributed as dist
+
+    from lit_titan.strategies.expert_parallel import apply_expert_parallel, reduce_gradients
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args = _args(aux_loss="global")  # the global-batch loss: its counts summed over the data ranks
+    tokens, labels = _batch()
+    reference = _ours(args)
+    reference(tokens, labels=labels).backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    ours = _ours(args)
+    for m in ours.moe_layers():
+        m.count_group = dist.group.WORLD
+    apply_expert_parallel(ours, dist.group.WORLD)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    ours(tokens[rows], labels=labels[rows]).backward()
+    reduce_gradients(ours, dist.group.WORLD, None)  # pure ep: no two ranks hold the same experts
+    local = args.moe.num_experts // world
+    worst = 0.0
+    for name, p in ours.named_parameters():
+        ref = ref_grads[name]
+        if ".moe.experts." in name:
+            assert p.shape[0] == local
+            ref = ref[rank * local:(rank + 1) * local]
+        worst = max(worst, _rel(p.grad, ref))
+    worst_t = torch.tensor([worst], dtype=torch.float64)
+    dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
+    return worst_t.item()
+
+
+def test_expert_parallel_ep2_gradients_equal_one_process(worlds):
+    """ep2 on gloo: dispatch/combine by all-to-all, the global-batch aux loss over both ranks, expert
+    gradients divided by the data-parallel size (not the expert-data-parallel group's)."""
+    assert worlds.run(2, "test_qwen3_moe:ep_gradient_case").value < RTOL
