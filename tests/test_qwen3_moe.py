@@ -16,24 +16,7 @@ from transformers import Qwen3MoeForCausalLM
 
 from lit_titan.models.moe import MoE, MoEArgs, grouped_mm_works, moe_aux_loss, update_expert_bias
 from lit_titan.models.qwen3_moe import Qwen3MoE, count_params, flops_per_token, get_flavor, hf
-
-RTOL = 1e-5
-VOCAB, SEQ, BATCH = 512, 32, 2
-
-
-def _args(**moe):
-    # 3 layers, the middle one dense (HF's mlp_only_layers); head_dim apart from dim // n_heads as in Qwen3
-    return get_flavor("qwen3_moe_debug", dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=VOCAB,
-                      ffn_dim=96, max_seq_len=128, mlp_only_layers=[1],
-                      moe={**dict(num_experts=8, top_k=2, hidden_dim=32, aux_loss_coef=0.05), **moe})
-
-
-def _ours(args, dtype=torch.float64, seed=0) -> Qwen3MoE:
-    with torch.device("meta"):
-        model = Qwen3MoE(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
-    return model.to(dtype)
+from moe_cases import BATCH, RTOL, build, make_batch, rel_err, tiny_args
 
 
 def _reference(model: Qwen3MoE, tmp_path, dtype=torch.float64) -> Qwen3MoeForCausalLM:
@@ -54,32 +37,20 @@ def _hf_grads_as_ours(ref: Qwen3MoeForCausalLM, hidden: int) -> dict[str, torch.
         elif name.endswith("experts.down_proj"):
             out[f"layers.{name.split('.')[2]}.moe.experts.w2"] = p.grad
         else:
-            out.update({k: p.grad for k in hf.from_hf_state_dict({name: p}, _args())})
+            out.update({k: p.grad for k in hf.from_hf_state_dict({name: p}, tiny_args())})
     return out
-
-
-def _batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    # HF shifts labels inside; ours takes next-token labels, the last position ignored
-    labels = torch.cat([tokens[:, 1:], torch.full((BATCH, 1), -100)], 1)
-    return tokens, labels
-
-
-def _rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def test_logits_loss_aux_loss_and_gradients_equal_transformers(tmp_path):
     """One fp64 training step: logits, loss (CE + coef * HF's load-balancing loss) and every parameter's gradient."""
-    args = _args()
-    ours = _ours(args)
+    args = tiny_args()
+    ours = build(args)
     ref = _reference(ours, tmp_path)
-    tokens, labels = _batch()
+    tokens, labels = make_batch()
     out = ref(input_ids=tokens, labels=tokens)
     assert out.aux_loss is not None  # output_router_logits comes from our config
     loss = ours(tokens, labels=labels)
-    assert _rel(ours(tokens), out.logits) < RTOL
+    assert rel_err(ours(tokens), out.logits) < RTOL
     assert abs(loss.item() - out.loss.item()) < RTOL * out.loss.item()
     # HF sums the load-balancing statistics in fp32 whatever the model's dtype
     assert abs(ours.last_aux_loss.item() / (args.moe.aux_loss_coef * out.aux_loss.item()) - 1) < RTOL
@@ -88,31 +59,31 @@ def test_logits_loss_aux_loss_and_gradients_equal_transformers(tmp_path):
     theirs = _hf_grads_as_ours(ref, args.moe.hidden_dim)
     grads = {n: p.grad for n, p in ours.named_parameters()}
     assert set(grads) == set(theirs)
-    errors = {n: _rel(grads[n], theirs[n]) for n in grads}
+    errors = {n: rel_err(grads[n], theirs[n]) for n in grads}
     assert max(errors.values()) < RTOL, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
     # the router's gradient is where the aux loss shows: without it the router gradient is another one
-    no_aux = _ours(_args(aux_loss="none"))
+    no_aux = build(tiny_args(aux_loss="none"))
     no_aux(tokens, labels=labels).backward()
     router = "layers.0.moe.router.gate.weight"
-    assert _rel(dict(no_aux.named_parameters())[router].grad, theirs[router]) > 100 * RTOL
+    assert rel_err(dict(no_aux.named_parameters())[router].grad, theirs[router]) > 100 * RTOL
 
 
 def test_fp32_grouped_experts_equal_transformers_and_the_loop(tmp_path):
     """fp32 logits through ``torch._grouped_mm`` (where this torch runs it on CPU) against HF; the loop equals it."""
-    args = _args()
-    ours = _ours(args, torch.float32)
+    args = tiny_args()
+    ours = build(args, torch.float32)
     ref = _reference(ours, tmp_path, torch.float32)
-    tokens, _ = _batch(1)
+    tokens, _ = make_batch(1)
     moe = ours.layers["0"].moe
     x = torch.randn(4, 8, args.dim)
     assert moe.experts.use_grouped(x) == grouped_mm_works("cpu", torch.float32)
     assert not moe.experts.use_grouped(x.double())  # CPU grouped_mm has no fp64: the loop
     with torch.no_grad():
         grouped = ours(tokens)
-        assert _rel(grouped, ref(input_ids=tokens).logits) < RTOL
+        assert rel_err(grouped, ref(input_ids=tokens).logits) < RTOL
         for m in ours.moe_layers():
             m.experts.impl = "loop"
-        assert _rel(ours(tokens), grouped) < RTOL
+        assert rel_err(ours(tokens), grouped) < RTOL
 
 
 def test_routing_is_dropless_deterministic_and_counts_once():
@@ -190,49 +161,16 @@ def test_flavors_have_the_published_shapes_and_count_active_flops():
     assert round(count_params(a235) / 1e9) == 235 and round(count_params(a235, active=True) / 1e9) == 22
     # 6 x active non-embedding params + attention; far below the total-parameter count
     assert flops_per_token(a30, 4096) < 6 * count_params(a30) / 5
-    tiny = _args()
-    sd = _ours(tiny).state_dict()
+    tiny = tiny_args()
+    sd = build(tiny).state_dict()
     back = hf.from_hf_state_dict(hf.to_hf_state_dict(sd, tiny), tiny)
     assert set(back) == set(sd)  # the expert bias is a buffer only with bias_update_rate > 0
     assert all(torch.equal(back[k], sd[k]) for k in back)
     with pytest.raises(ValueError, match="top_k=9"):
-        _args(top_k=9)
-
-
-def ep_gradient_case() -> float:
-    """On each rank of a gloo world: ep = world size, each rank one row of the batch; returns the worst
-    per-parameter relative gradient error (over ranks) against one process on the whole batch."""
-    import torch.distributed as dist
-
-    from lit_titan.strategies.expert_parallel import apply_expert_parallel, reduce_gradients
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    args = _args(aux_loss="global")  # the global-batch loss: its counts summed over the data ranks
-    tokens, labels = _batch()
-    reference = _ours(args)
-    reference(tokens, labels=labels).backward()
-    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-    ours = _ours(args)
-    for m in ours.moe_layers():
-        m.count_group = dist.group.WORLD
-    apply_expert_parallel(ours, dist.group.WORLD)
-    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    ours(tokens[rows], labels=labels[rows]).backward()
-    reduce_gradients(ours, dist.group.WORLD, None)  # pure ep: no two ranks hold the same experts
-    local = args.moe.num_experts // world
-    worst = 0.0
-    for name, p in ours.named_parameters():
-        ref = ref_grads[name]
-        if ".moe.experts." in name:
-            assert p.shape[0] == local
-            ref = ref[rank * local:(rank + 1) * local]
-        worst = max(worst, _rel(p.grad, ref))
-    worst_t = torch.tensor([worst], dtype=torch.float64)
-    dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
-    return worst_t.item()
+        tiny_args(top_k=9)
 
 
 def test_expert_parallel_ep2_gradients_equal_one_process(worlds):
     """ep2 on gloo: dispatch/combine by all-to-all, the global-batch aux loss over both ranks, expert
     gradients divided by the data-parallel size (not the expert-data-parallel group's)."""
-    assert worlds.run(2, "test_qwen3_moe:ep_gradient_case").value < RTOL
+    assert worlds.run(2, "moe_cases:ep_gradient_case").value < RTOL
