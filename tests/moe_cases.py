@@ -40,34 +40,50 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def ep_gradient_case() -> float:
-    """On each rank of a gloo world: ep = world size, each rank one row of the batch; returns the worst
-    per-parameter relative gradient error (over ranks) against one process on the whole batch."""
+def ep_gradient_case(steps: int = 3) -> dict[str, float]:
+    """On each rank of a gloo world: ep = world size, each rank its rows of the batch, ``steps`` SGD steps
+    with both balancing methods on (the global-batch aux loss and the expert bias). Returns the worst
+    per-parameter relative gradient error and expert-bias difference (over ranks and steps) against
+    one process on the whole batch, and the share of routing choices that changed over the steps."""
     import torch.distributed as dist
 
+    from lit_titan.models.moe import update_expert_bias
     from lit_titan.strategies.expert_parallel import apply_expert_parallel, reduce_gradients
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    args = tiny_args(aux_loss="global")  # the global-batch loss: its counts summed over the data ranks
-    tokens, labels = make_batch()
-    reference = build(args)
-    reference(tokens, labels=labels).backward()
-    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-    ours = build(args)
+    # the global-batch loss (counts summed over the data ranks) and the aux-loss-free bias, both on
+    args = tiny_args(aux_loss="global", bias_update_rate=0.01)
+    reference, ours = build(args), build(args)
     for m in ours.moe_layers():
         m.count_group = dist.group.WORLD
     apply_expert_parallel(ours, dist.group.WORLD)
-    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    ours(tokens[rows], labels=labels[rows]).backward()
-    reduce_gradients(ours, dist.group.WORLD, None)  # pure ep: no two ranks hold the same experts
     local = args.moe.num_experts // world
-    worst = 0.0
-    for name, p in ours.named_parameters():
-        ref = ref_grads[name]
-        if ".moe.experts." in name:
-            assert p.shape[0] == local
-            ref = ref[rank * local:(rank + 1) * local]
-        worst = max(worst, rel_err(p.grad, ref))
-    worst_t = torch.tensor([worst], dtype=torch.float64)
-    dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
-    return worst_t.item()
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.5)
+    routes = []
+    reference.layers["0"].moe.router.register_forward_hook(lambda mod, inp, out: routes.append(out[2]))
+    worst = {"grad": 0.0, "bias": 0.0}
+    tokens, labels = make_batch()
+    for _ in range(steps):
+        reference(tokens, labels=labels).backward()
+        ours(tokens[rows], labels=labels[rows]).backward()
+        reduce_gradients(ours, dist.group.WORLD, None)  # pure ep: no two ranks hold the same experts
+        ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+        for name, p in ours.named_parameters():
+            ref = ref_grads[name]
+            if ".moe.experts." in name:
+                assert p.shape[0] == local
+                ref = ref[rank * local:(rank + 1) * local]
+            worst["grad"] = max(worst["grad"], rel_err(p.grad, ref))
+        for model, optimizer, group in ((reference, opt_ref, None), (ours, opt, dist.group.WORLD)):
+            optimizer.step()
+            optimizer.zero_grad()
+            update_expert_bias(model, group)
+        for a, b in zip(reference.moe_layers(), ours.moe_layers()):
+            worst["bias"] = max(worst["bias"], (a.expert_bias - b.expert_bias).abs().max().item())
+    assert any(m.expert_bias.abs().sum() > 0 for m in ours.moe_layers())
+    result = torch.tensor([worst["grad"], worst["bias"]], dtype=torch.float64)
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    return {"grad": result[0].item(), "bias": result[1].item(),
+            "routing_changed": (routes[0] != routes[-1]).any(-1).float().mean().item()}
