@@ -1,0 +1,292 @@
+"""The Mixture-of-Experts feed-forward layer, shared by every MoE family (no parallelism in here).
+
+Dropless token-choice top-k: every token goes to exactly ``top_k`` experts, no capacity limit, so
+no token is ever dropped whatever the routing. Router logits and scores are computed in at least
+fp32; ties between equal scores go to the lowest expert index (a stable sort, not ``topk``, whose
+order on ties is unspecified and may differ between devices and ranks).
+
+Experts are grouped weights ``w1``/``w3`` [E, hidden, dim] and ``w2`` [E, dim, hidden] (each
+expert's slice is an ``nn.Linear`` weight: gate, up, down). They run as one ``torch._grouped_mm``
+over tokens sorted by expert where the device and dtype support it (probed once: CPU on torch 2.15
+has fp32/bf16 only and wants 16-byte aligned rows), and as a loop over experts otherwise (fp64).
+
+Load balancing, chosen by ``MoEArgs``:
+- ``aux_loss="pooled"``: Switch Transformer's loss pooled over all MoE layers, exactly as
+  transformers' ``load_balancing_loss_func`` computes it (Qwen3-MoE's ``router_aux_loss_coef``);
+- ``aux_loss="global"``: per layer, the token fractions counted over the whole batch (summed over
+  ``count_group``, the data/context ranks, when one is set) times the local mean probabilities,
+  averaged over layers (Qwen's global-batch balancing);
+- ``aux_loss="sequence"``: DeepSeek-V3's sequence-wise loss, per sequence, averaged;
+- ``bias_update_rate > 0``: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to
+  the scores for selection only, moved by ``update_expert_bias`` after each optimizer step from
+  the token counts of the whole step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+AUX_LOSSES = ("pooled", "global", "sequence", "none")
+SCORE_FUNCS = ("softmax", "sigmoid")
+EXPERT_IMPLS = ("auto", "grouped", "loop")
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 64  # each expert's SwiGLU width (HF ``moe_intermediate_size``)
+    norm_topk_prob: bool = True  # renormalise the k selected scores to sum to 1
+    score_func: str = "softmax"  # softmax (Qwen) or sigmoid (DeepSeek-V3)
+    route_scale: float = 1.0  # multiplies the routing weights (DeepSeek-V3's routed_scaling_factor)
+    num_shared_experts: int = 0  # always-on experts (DeepSeek-V3), one SwiGLU of num_shared * hidden_dim
+    aux_loss: str = "pooled"
+    aux_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with this step size
+    experts_impl: str = "auto"  # auto: grouped GEMM where it works, else the loop
+
+    def validate(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"model.moe.num_experts={self.num_experts} must be >= 1")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"model.moe.top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"model.moe.score_func={self.score_func!r}; choose one of {SCORE_FUNCS}")
+        if self.aux_loss not in AUX_LOSSES:
+            raise ValueError(f"model.moe.aux_loss={self.aux_loss!r}; choose one of {AUX_LOSSES}")
+        if self.experts_impl not in EXPERT_IMPLS:
+            raise ValueError(f"model.moe.experts_impl={self.experts_impl!r}; choose one of {EXPERT_IMPLS}")
+        if self.bias_update_rate < 0:
+            raise ValueError(f"model.moe.bias_update_rate={self.bias_update_rate} must be >= 0")
+
+
+def stable_topk(scores: Tensor, k: int) -> Tensor:
+    """Indices [N, k] of the k largest scores per row; equal scores go to the lower index."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class Router(nn.Module):
+    """Scores every expert per token and picks ``top_k``; returns (scores, weights, indices).
+
+    ``scores`` [N, E] are the full (fp32+) probabilities the auxiliary losses need; ``weights``
+    [N, k] the selected ones (renormalised, scaled); ``indices`` [N, k].
+    """
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def forward(self, x: Tensor, expert_bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        logits = F.linear(_at_least_fp32(x), _at_least_fp32(self.gate.weight))
+        scores = logits.softmax(-1) if self.args.score_func == "softmax" else logits.sigmoid()
+        choose = scores if expert_bias is None else scores.detach() + expert_bias.to(scores.dtype)
+        indices = stable_topk(choose, self.args.top_k)
+        weights = scores.gather(-1, indices)
+        if self.args.norm_topk_prob:
+            # sigmoid scores can all be tiny; the epsilon keeps the division finite (DeepSeek-V3 does the same)
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.args.score_func == "sigmoid" else 0))
+        return scores, weights * self.args.route_scale, indices
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward for this device type and dtype (probed once)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.zeros(4, 16, device=device_type, dtype=dtype, requires_grad=True)
+        w = torch.zeros(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([2, 4], device=device_type, dtype=torch.int32)
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).sum().backward()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _aligned(*sizes: int, dtype: torch.dtype) -> bool:
+    """grouped_mm wants every row stride a multiple of 16 bytes."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return all((s * itemsize) % 16 == 0 for s in sizes)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights; input tokens already sorted by expert, ``counts`` per expert."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, impl: str = "auto") -> None:
+        super().__init__()
+        self.impl = impl
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def use_grouped(self, x: Tensor) -> bool:
+        if self.impl == "loop":
+            return False
+        ok = grouped_mm_works(x.device.type, x.dtype) and _aligned(self.w1.shape[-1], self.w1.shape[-2], dtype=x.dtype)
+        if self.impl == "grouped" and not ok:
+            raise RuntimeError(f"model.moe.experts_impl=grouped: torch._grouped_mm does not run for {x.dtype} on "
+                               f"{x.device.type} at these sizes; use experts_impl=auto or loop")
+        return ok
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        if self.use_grouped(x):
+            offs = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
+                x, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            xe = x[start:start + n]
+            outs.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
+            start += n
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU (shared experts, and the dense layers of MoE families): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """x [b, s, dim] -> [b, s, dim]; leaves this forward's balancing statistics in ``self.stats``.
+
+    ``stats``: ``counts`` [E] (assignments, no grad), ``prob_sum`` [E] (sum of scores over tokens,
+    with grad), ``rows`` (tokens) and, for the sequence-wise loss, ``seq_loss`` (this layer's loss,
+    mean over sequences). ``moe_aux_loss`` turns the stats of all layers into the loss.
+    """
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, args.experts_impl)
+        self.shared_experts = SwiGLU(dim, args.hidden_dim * args.num_shared_experts) if args.num_shared_experts else None
+        # Aux-loss-free balancing: persistent (checkpointed with the weights); counts are per step.
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32),
+                             persistent=args.bias_update_rate > 0)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
+                             persistent=False)
+        # The group the global-batch loss sums its counts over (data x context ranks); None: this process.
+        self.count_group: dist.ProcessGroup | None = None
+        self.stats: dict[str, Tensor | int] = {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        bs, seqlen, dim = x.shape
+        flat = x.reshape(-1, dim)
+        bias = self.expert_bias if self.args.bias_update_rate > 0 else None
+        scores, weights, indices = self.router(flat, bias)
+        flat_idx = indices.reshape(-1)
+        counts = torch.bincount(flat_idx, minlength=self.args.num_experts)
+        self._record(scores, indices, counts, bs, seqlen)
+        order = torch.argsort(flat_idx, stable=True)  # tokens grouped by expert, in token order within one
+        token_of = order // self.args.top_k
+        out = self.run_experts(flat[token_of], counts)
+        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        y = torch.zeros_like(flat).index_add_(0, token_of, out.to(flat.dtype))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(bs, seqlen, dim)
+
+    def run_experts(self, x: Tensor, counts: Tensor) -> Tensor:
+        """Tokens sorted by expert -> their outputs in the same order; expert parallel replaces this."""
+        return self.experts(x, counts)
+
+    def _record(self, scores: Tensor, indices: Tensor, counts: Tensor, bs: int, seqlen: int) -> None:
+        counts_f = counts.detach().to(torch.float32)
+        # Count once per step: a forward recomputed by activation checkpointing runs inside backward.
+        if self.training and self.args.bias_update_rate > 0 and torch._C._current_graph_task_id() == -1:
+            self.tokens_per_expert += counts_f
+        aux = self.args.aux_loss if self.args.aux_loss_coef > 0 else "none"
+        if aux == "none" or not torch.is_grad_enabled():
+            self.stats = {}
+            return
+        if aux == "sequence":
+            self.stats = {"seq_loss": sequence_aux_loss(scores.view(bs, seqlen, -1), indices.view(bs, seqlen, -1))}
+            return
+        self.stats = {"counts": counts_f.to(scores.dtype), "prob_sum": scores.sum(0), "rows": bs * seqlen}
+        if aux == "global" and self.count_group is not None:
+            rows = torch.tensor([float(bs * seqlen)], dtype=scores.dtype, device=scores.device)
+            both = torch.cat([self.stats["counts"], rows])
+            dist.all_reduce(both, group=self.count_group)
+            self.stats["global_counts"], self.stats["global_rows"] = both[:-1], both[-1]
+
+
+def sequence_aux_loss(scores: Tensor, indices: Tensor) -> Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (without alpha), mean over sequences.
+
+    scores [b, s, E], indices [b, s, k]: f_i = E / (k s) * tokens of the sequence routed to i,
+    P_i = mean over the sequence of the scores normalised to sum 1; loss = sum_i f_i P_i.
+    """
+    b, s, num_experts = scores.shape
+    k = indices.shape[-1]
+    counts = torch.zeros(b, num_experts, dtype=scores.dtype, device=scores.device)
+    counts.scatter_add_(1, indices.reshape(b, -1), torch.ones(b, s * k, dtype=scores.dtype, device=scores.device))
+    f = counts * num_experts / (k * s)
+    p = (scores / scores.sum(-1, keepdim=True)).mean(1)
+    return (f * p).sum(-1).mean()
+
+
+def moe_aux_loss(layers: list[MoE]) -> Tensor | None:
+    """The auxiliary loss (times its coefficient) from the last forward of ``layers``; None if there is none.
+
+    pooled: E * sum_e (sum_l counts / sum_l rows) * (sum_l prob_sum / sum_l rows), as transformers;
+    global: mean over layers of E * sum_e (global counts / global rows) * (prob_sum / rows);
+    sequence: mean over layers of each layer's sequence-wise loss.
+    """
+    active = [m for m in layers if m.stats]
+    if not active:
+        return None
+    args = active[0].args
+    if args.aux_loss == "sequence":
+        loss = torch.stack([m.stats["seq_loss"] for m in active]).mean()
+    elif args.aux_loss == "pooled":
+        rows = sum(m.stats["rows"] for m in active)
+        counts = torch.stack([m.stats["counts"] for m in active]).sum(0)
+        probs = torch.stack([m.stats["prob_sum"] for m in active]).sum(0)
+        loss = args.num_experts * ((counts / rows) * (probs / rows)).sum()
+    else:
+        per_layer = []
+        for m in active:
+            counts = m.stats.get("global_counts", m.stats["counts"])
+            rows = m.stats.get("global_rows", m.stats["rows"])
+            per_layer.append(args.num_experts * ((counts / rows) * (m.stats["prob_sum"] / m.stats["rows"])).sum())
+        loss = torch.stack(per_layer).mean()
+    return args.aux_loss_coef * loss
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """DeepSeek-V3's aux-loss-free step: bias += rate * sign(mean count - count), then reset the counts.
+
+    Call after the optimizer step. ``group``: the ranks that saw other parts of the same global
+    batch (data x context); their counts are summed first, so every rank moves the bias alike.
+    """
+    for m in model.modules():
+        if not isinstance(m, MoE) or m.args.bias_update_rate <= 0:
+            continue
+        counts = m.tokens_per_expert
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+        m.expert_bias += m.args.bias_update_rate * torch.sign(counts.mean() - counts)
+        counts.zero_()
+
+
+def _at_least_fp32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float64 else t.float()
