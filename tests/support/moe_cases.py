@@ -1,4 +1,4 @@
-"""Shared by tests/test_qwen3_moe.py and the cases it runs in the reused gloo worlds (tests/world.py).
+"""Shared by tests/unit/models/test_qwen3_moe.py and the cases it runs in the reused gloo worlds (tests/support/world.py).
 
 Kept apart from the test module so the worlds' ranks do not import transformers.
 """
