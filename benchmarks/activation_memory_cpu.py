@@ -30,8 +30,17 @@ from typing import Any
 
 import torch
 
-MODEL = ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=2048",
-         "data.seq_len=256", "data.global_batch_size=2", "precision=32-true", "callbacks=[]"]
+MODEL = [
+    "model.dim=256",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.vocab_size=2048",
+    "data.seq_len=256",
+    "data.global_batch_size=2",
+    "precision=32-true",
+    "callbacks=[]",
+]
 AC = "+callbacks.activation_checkpointing._target_=lit_titan.callbacks.ActivationCheckpointing"
 LAYOUTS: dict[str, list[str]] = {
     "AC none": [],
@@ -54,10 +63,10 @@ def measure(overrides: list[str]) -> dict[str, Any]:
 
     from lit_titan.config import compose
     from lit_titan.config.spec import model_args, parallel_dims
+    from lit_titan.job.build import build_strategy
     from lit_titan.models.llama3 import Transformer
     from lit_titan.planner.build import _register_callbacks, fake_process_group
     from lit_titan.planner.core import _instantiate_callbacks
-    from lit_titan.job.build import build_strategy
 
     cfg = compose(overrides)
     args, dims = model_args(cfg), parallel_dims(cfg)
@@ -73,7 +82,9 @@ def measure(overrides: list[str]) -> dict[str, Any]:
         seq, batch = int(cfg.data.seq_len), int(cfg.data.global_batch_size) // dims.dp
         micro = dims.pp and (strategy.pipeline_config.microbatches_for(dims.pp) if dims.pp > 1 else 1)
         in_flight = min(dims.pp, micro) if dims.pp > 1 else 1
-        tokens = torch.randint(0, args.vocab_size, (batch // micro, seq + 1), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(
+            0, args.vocab_size, (batch // micro, seq + 1), generator=torch.Generator().manual_seed(0)
+        )
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         if strategy.context_parallel is not None:
             inputs, labels = strategy.context_parallel.shard(inputs, labels)
@@ -88,8 +99,12 @@ def measure(overrides: list[str]) -> dict[str, Any]:
             else:
                 model(inputs, labels=labels).backward()
         peak = _activation_peak(tracker)
-    return {"measured_bytes": peak["ACT"] + peak["TEMP"], "act_bytes": peak["ACT"], "temp_bytes": peak["TEMP"],
-            "in_flight_microbatches": in_flight}
+    return {
+        "measured_bytes": peak["ACT"] + peak["TEMP"],
+        "act_bytes": peak["ACT"],
+        "temp_bytes": peak["TEMP"],
+        "in_flight_microbatches": in_flight,
+    }
 
 
 def _activation_peak(tracker) -> dict[str, int]:
@@ -122,16 +137,26 @@ def run(layouts: dict[str, list[str]]) -> list[dict[str, Any]]:
     for name, extra in layouts.items():
         overrides = [*MODEL, *extra]
         got, est = measure(overrides), estimate(overrides)
-        rows.append({"layout": name, "overrides": extra, **got, "estimate_bytes": est["total"], "estimate": est,
-                     "error": est["total"] / got["measured_bytes"] - 1})
+        rows.append(
+            {
+                "layout": name,
+                "overrides": extra,
+                **got,
+                "estimate_bytes": est["total"],
+                "estimate": est,
+                "error": est["total"] / got["measured_bytes"] - 1,
+            }
+        )
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| layout | measured (act + temp) | estimate | error |", "| --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['layout']} | {r['measured_bytes'] / 2**20:.1f} MiB ({r['act_bytes'] / 2**20:.1f} + "
-                     f"{r['temp_bytes'] / 2**20:.1f}) | {r['estimate_bytes'] / 2**20:.1f} MiB | {r['error']:+.1%} |")
+        lines.append(
+            f"| {r['layout']} | {r['measured_bytes'] / 2**20:.1f} MiB ({r['act_bytes'] / 2**20:.1f} + "
+            f"{r['temp_bytes'] / 2**20:.1f}) | {r['estimate_bytes'] / 2**20:.1f} MiB | {r['error']:+.1%} |"
+        )
     return "\n".join(lines)
 
 
@@ -143,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     layouts = {k: v for k, v in LAYOUTS.items() if not ns.only or k in ns.only}
     rows = run(layouts)
     print(table(rows))
-    print(f"\ncpu, torch {torch.__version__}, {os.cpu_count()} CPUs, {platform.python_version()}, "
-          f"{datetime.date.today()}; model: {' '.join(MODEL)}; tolerance {TOLERANCE:.0%}")
+    print(
+        f"\ncpu, torch {torch.__version__}, {os.cpu_count()} CPUs, {platform.python_version()}, "
+        f"{datetime.date.today()}; model: {' '.join(MODEL)}; tolerance {TOLERANCE:.0%}"
+    )
     if ns.json:
         with open(ns.json, "w") as fh:
             json.dump({"rows": rows, "tolerance": TOLERANCE}, fh, indent=1)

@@ -36,14 +36,35 @@ from typing import Any
 import lightning as L
 import torch
 
-GPU_JOB = ["model=llama3_8b", "model.n_layers=4", "cluster=gpu_1", "precision=bf16-mixed", "data.seq_len=8192",
-           "data.global_batch_size=1", "data.tokenizer.vocab_size=32000", "callbacks=[]"]
+GPU_JOB = [
+    "model=llama3_8b",
+    "model.n_layers=4",
+    "cluster=gpu_1",
+    "precision=bf16-mixed",
+    "data.seq_len=8192",
+    "data.global_batch_size=1",
+    "data.tokenizer.vocab_size=32000",
+    "callbacks=[]",
+]
 # A 67M-parameter model whose state (0.8 GB with AdamW) is mostly embedding and output tables, so
 # that a step stays cheap on 2 CPU cores while one copy of the state (~0.1 s) dwarfs the fixed
 # costs of a save (~0.02 s: Lightning's state dicts and barrier, small files, thread start).
-CPU_JOB = ["model=llama3_debug", "model.dim=256", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
-           "model.vocab_size=131072", "data.seq_len=32", "data.max_bytes=300000", "data.tokenizer.vocab_size=512",
-           "data.global_batch_size=2", "cluster=cpu", "cluster.devices=1", "precision=32-true", "callbacks=[]"]
+CPU_JOB = [
+    "model=llama3_debug",
+    "model.dim=256",
+    "model.n_layers=1",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.vocab_size=131072",
+    "data.seq_len=32",
+    "data.max_bytes=300000",
+    "data.tokenizer.vocab_size=512",
+    "data.global_batch_size=2",
+    "cluster=cpu",
+    "cluster.devices=1",
+    "precision=32-true",
+    "callbacks=[]",
+]
 
 
 class StallProbe(L.Callback):
@@ -102,8 +123,16 @@ def run(overrides: list[str], saves: int, every: int, run_dir: Path) -> dict[str
     from lit_titan.job.run import train
 
     steps = saves * every
-    cfg = compose([*overrides, f"trainer.max_steps={steps}", f"checkpoint.every_n_steps={every}",
-                   "checkpoint.keep_last=2", "trainer.enable_progress_bar=false", f"run_dir={run_dir}"])
+    cfg = compose(
+        [
+            *overrides,
+            f"trainer.max_steps={steps}",
+            f"checkpoint.every_n_steps={every}",
+            "checkpoint.keep_last=2",
+            "trainer.enable_progress_bar=false",
+            f"run_dir={run_dir}",
+        ]
+    )
     probe = StallProbe(every)
     captured: dict[str, Any] = {}
 
@@ -116,29 +145,53 @@ def run(overrides: list[str], saves: int, every: int, run_dir: Path) -> dict[str
     for i, rec in enumerate(captured["writer"].records):
         step = int(rec.name.split("-")[1])
         one = probe.one_copy_s.get(step)
-        rows.append({"save": i + 1, "step": step, "state_bytes": rec.local_bytes, "allocated_bytes": rec.allocated_bytes,
-                     "waited_s": probe.waited_s.get(step), "blocked_s": rec.blocked_s, "one_copy_s": one,
-                     "ratio": rec.blocked_s / one if one and rec.blocked_s is not None else None,
-                     "stage_s": rec.stage_s, "writer_s": rec.save_s, "prepare_s": rec.prepare_s,
-                     "complete_s": rec.complete_s})
-    return {"rows": rows, "one_copy_bytes": probe.copied_bytes, "median_step_s": statistics.median(probe.step_s) if probe.step_s else None,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()), "cpus": os.cpu_count()}
+        rows.append(
+            {
+                "save": i + 1,
+                "step": step,
+                "state_bytes": rec.local_bytes,
+                "allocated_bytes": rec.allocated_bytes,
+                "waited_s": probe.waited_s.get(step),
+                "blocked_s": rec.blocked_s,
+                "one_copy_s": one,
+                "ratio": rec.blocked_s / one if one and rec.blocked_s is not None else None,
+                "stage_s": rec.stage_s,
+                "writer_s": rec.save_s,
+                "prepare_s": rec.prepare_s,
+                "complete_s": rec.complete_s,
+            }
+        )
+    return {
+        "rows": rows,
+        "one_copy_bytes": probe.copied_bytes,
+        "median_step_s": statistics.median(probe.step_s) if probe.step_s else None,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "cpus": os.cpu_count(),
+    }
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| save | step | state (rank) | allocated | training blocked | one copy | blocked / copy | staging copy "
-             "| complete on disk |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| save | step | state (rank) | allocated | training blocked | one copy | blocked / copy | staging copy "
+        "| complete on disk |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['save']}{' (first)' if r['save'] == 1 else ''} | {r['step']} | "
-                     f"{r['state_bytes'] / 1e9:.3f} GB | {r['allocated_bytes'] / 1e9:.3f} GB | {r['blocked_s']:.3f} s | "
-                     f"{r['one_copy_s']:.3f} s | {r['ratio']:.2f} | {r['stage_s']:.3f} s | "
-                     f"{r['complete_s']:.3f} s |")
+        lines.append(
+            f"| {r['save']}{' (first)' if r['save'] == 1 else ''} | {r['step']} | "
+            f"{r['state_bytes'] / 1e9:.3f} GB | {r['allocated_bytes'] / 1e9:.3f} GB | {r['blocked_s']:.3f} s | "
+            f"{r['one_copy_s']:.3f} s | {r['ratio']:.2f} | {r['stage_s']:.3f} s | "
+            f"{r['complete_s']:.3f} s |"
+        )
     later = [r["ratio"] for r in result["rows"][1:]]
     step = result["median_step_s"]
-    lines.append(f"\n{result['device']}, torch {result['torch']}, {result['cpus']} CPUs, {result['date']}; median "
-                 f"training step (the save not included) {step:.3f} s; later saves: blocked / one copy = "
-                 + (f"{min(later):.2f}-{max(later):.2f}" if later else "n/a"))
+    lines.append(
+        f"\n{result['device']}, torch {result['torch']}, {result['cpus']} CPUs, {result['date']}; median "
+        f"training step (the save not included) {step:.3f} s; later saves: blocked / one copy = "
+        + (f"{min(later):.2f}-{max(later):.2f}" if later else "n/a")
+    )
     return "\n".join(lines)
 
 

@@ -60,11 +60,26 @@ def worker(seq_len: int, cp: int, out: str) -> None:
     from lit_titan.data import PretrainDataModule
 
     module = PretrainModule("llama3_debug", {"vocab_size": 4096}, {"total_steps": 1})
-    data = PretrainDataModule(seq_len=seq_len, global_batch_size=1, tokenizer={"kind": "bpe", "vocab_size": 4096},
-                              model_vocab_size=4096, data_dir=os.path.expanduser("~/.cache/lit_titan"))
-    trainer = L.Trainer(accelerator="cpu", devices=cp, strategy=TitanStrategy(cp=cp), max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, limit_val_batches=0, callbacks=[SavedTensorBytes(out)])
+    data = PretrainDataModule(
+        seq_len=seq_len,
+        global_batch_size=1,
+        tokenizer={"kind": "bpe", "vocab_size": 4096},
+        model_vocab_size=4096,
+        data_dir=os.path.expanduser("~/.cache/lit_titan"),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=cp,
+        strategy=TitanStrategy(cp=cp),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        callbacks=[SavedTensorBytes(out)],
+    )
     trainer.fit(module, datamodule=data)
 
 
@@ -82,8 +97,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for cp in args.cp:
             out = os.path.join(tmp, f"cp{cp}")
-            subprocess.run([sys.executable, __file__, "--worker", "--seq-len", str(args.seq_len), "--cp", str(cp),
-                            "--out", out], check=True, capture_output=True)
+            subprocess.run(
+                [sys.executable, __file__, "--worker", "--seq-len", str(args.seq_len), "--cp", str(cp), "--out", out],
+                check=True,
+                capture_output=True,
+            )
             per_rank = [json.load(open(f"{out}.rank{r}"))["bytes"] for r in range(cp)]
             rows.append((cp, max(per_rank) / 2**20))
     base = rows[0][1]

@@ -55,14 +55,25 @@ def _prepare(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return prepare_shards(train, None, tokenizer, out, chunk_tokens=args.chunk_tokens, num_workers=2)
 
 
-def _measure(path: str, args: argparse.Namespace, workers: int, cache: Path, storage_options: dict | None
-             ) -> dict[str, float]:
+def _measure(
+    path: str, args: argparse.Namespace, workers: int, cache: Path, storage_options: dict | None
+) -> dict[str, float]:
     from lit_titan.data import PretrainDataModule
 
-    dm = PretrainDataModule(corpus="tokens", path=path, tokenizer={"kind": "shards"}, seq_len=args.seq_len,
-                            global_batch_size=args.dp * args.micro, micro_batch_size=args.micro,
-                            dp_rank=0, dp_size=args.dp, num_workers=workers, data_dir=str(cache),
-                            storage_options=storage_options, pin_memory=False)
+    dm = PretrainDataModule(
+        corpus="tokens",
+        path=path,
+        tokenizer={"kind": "shards"},
+        seq_len=args.seq_len,
+        global_batch_size=args.dp * args.micro,
+        micro_batch_size=args.micro,
+        dp_rank=0,
+        dp_size=args.dp,
+        num_workers=workers,
+        data_dir=str(cache),
+        storage_options=storage_options,
+        pin_memory=False,
+    )
     dm.setup("fit")
     loader = dm.train_dataloader()
     steps = args.steps
@@ -117,8 +128,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             url = args.s3_url or f"s3://lit-titan-bench/{uuid.uuid4().hex[:8]}"
         else:
             proc, server = _start_loopback_s3(work)
-            options = {k: server[k] for k in ("endpoint_url", "aws_access_key_id", "aws_secret_access_key",
-                                              "region_name")}
+            options = {
+                k: server[k] for k in ("endpoint_url", "aws_access_key_id", "aws_secret_access_key", "region_name")
+            }
             url = server["url"]
         upload_dir(local, url, options)
         sources.append(("s3 (loopback)" if proc else "s3", url, options))
@@ -129,18 +141,25 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 cache = work / f"cache-{name.split()[0]}-{workers}"  # cold cache: every S3 chunk is downloaded
                 result = _measure(path, args, workers, cache, options)
                 rows.append({"source": name, "workers": workers, **result})
-                print(f"{name:14s} workers={workers}  {result['tokens_per_s'] / 1e6:8.2f} M tokens/s per rank  "
-                      f"({result['tokens']} tokens in {result['seconds']:.2f} s, {result['mib_read']:.1f} MiB read)",
-                      flush=True)
+                print(
+                    f"{name:14s} workers={workers}  {result['tokens_per_s'] / 1e6:8.2f} M tokens/s per rank  "
+                    f"({result['tokens']} tokens in {result['seconds']:.2f} s, {result['mib_read']:.1f} MiB read)",
+                    flush=True,
+                )
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait()
-    info = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-            "seq_len": args.seq_len, "micro": args.micro, "dp": args.dp,
-            "dataset_tokens": manifest["splits"]["train"]["tokens"],
-            "chunks": manifest["splits"]["train"]["chunks"], "chunk_tokens": args.chunk_tokens,
-            "steps": args.steps}
+    info = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "seq_len": args.seq_len,
+        "micro": args.micro,
+        "dp": args.dp,
+        "dataset_tokens": manifest["splits"]["train"]["tokens"],
+        "chunks": manifest["splits"]["train"]["chunks"],
+        "chunk_tokens": args.chunk_tokens,
+        "steps": args.steps,
+    }
     print(json.dumps(info))
     if args.json:
         args.json.write_text(json.dumps({"info": info, "rows": rows}, indent=1))

@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -111,8 +110,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         p = loss_peak(a.vocab, a.tokens, a.dim, c, fake=a.fake)
         rows.append({"variant": f"chunked {c}", "chunk_tokens": c, "peak_mib": p / 2**20, "ratio": p / base})
     logits_mib = a.tokens * a.vocab * 4 / 2**20
-    print(f"vocab {a.vocab}, tokens {a.tokens}, dim {a.dim}{' (fake tensors)' if a.fake else ''}; "
-          f"fp32 logits alone: {logits_mib:.0f} MiB")
+    print(
+        f"vocab {a.vocab}, tokens {a.tokens}, dim {a.dim}{' (fake tensors)' if a.fake else ''}; "
+        f"fp32 logits alone: {logits_mib:.0f} MiB"
+    )
     print("| variant | peak MiB (loss fwd+bwd) | ratio to unchunked |\n| --- | ---: | ---: |")
     for r in rows:
         print(f"| {r['variant']} | {r['peak_mib']:.0f} | {r['ratio']:.3f} |")

@@ -21,9 +21,13 @@ if __name__ == "__main__":
         for key in ("peak_fp32_tflops", "intra_node_gbps", "cores_per_node"):
             OmegaConf.update(r["cfg"], f"cluster.{key}", facts[key], force_add=True)
     eff = fit(runs[:1])
-    print(f"fitted on {runs[0]['run_dir']}: compute {eff.compute:.4f}, comm {eff.comm} (default), "
-          f"overhead {eff.overhead_s * 1e3:.1f} ms")
+    print(
+        f"fitted on {runs[0]['run_dir']}: compute {eff.compute:.4f}, comm {eff.comm} (default), "
+        f"overhead {eff.overhead_s * 1e3:.1f} ms"
+    )
     for r in runs:
         p = predict(r["cfg"], eff)["step_s"]
-        print(f"{r['run_dir']}: measured {r['step_s'] * 1e3:.1f} ms/step (median of {r['steps']}, {r['source']}), "
-              f"predicted {p * 1e3:.1f} ms, error {p / r['step_s'] - 1:+.0%}")
+        print(
+            f"{r['run_dir']}: measured {r['step_s'] * 1e3:.1f} ms/step (median of {r['steps']}, {r['source']}), "
+            f"predicted {p * 1e3:.1f} ms, error {p / r['step_s'] - 1:+.0%}"
+        )

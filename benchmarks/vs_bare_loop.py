@@ -56,8 +56,11 @@ def build_model(model_args, opts: dict, device, mesh, bf16: bool, smoke: bool):
         from torchao.float8 import Float8LinearConfig, _auto_filter_for_recipe, convert_to_float8_training
 
         recipe = opts["float8"]
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=smoke,  # smoke: no FP8 units
-                                     enable_fsdp_float8_all_gather=recipe == "tensorwise")
+        config = dataclasses.replace(
+            Float8LinearConfig.from_recipe_name(recipe),
+            emulate=smoke,  # smoke: no FP8 units
+            enable_fsdp_float8_all_gather=recipe == "tensorwise",
+        )
         keep = (lambda m, fqn: "output" not in fqn) if smoke else _auto_filter_for_recipe(recipe, ["output"])
         convert_to_float8_training(model, config=config, module_filter_fn=keep)
     for key, block in list(model.layers.items()):
@@ -66,8 +69,9 @@ def build_model(model_args, opts: dict, device, mesh, bf16: bool, smoke: bool):
         if opts.get("compile"):
             block.compile(fullgraph=True)
         model.layers[key] = block
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -85,16 +89,27 @@ def selective_checkpoint(block):
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
-    names = ("mm", "addmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_flash_attention_for_cpu")
+    names = (
+        "mm",
+        "addmm",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
     save = {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return checkpoint_wrapper(block, checkpoint_fn=checkpoint, use_reentrant=False, preserve_rng_state=False,
-                              context_fn=partial(create_selective_checkpoint_contexts, policy))
+    return checkpoint_wrapper(
+        block,
+        checkpoint_fn=checkpoint,
+        use_reentrant=False,
+        preserve_rng_state=False,
+        context_fn=partial(create_selective_checkpoint_contexts, policy),
+    )
 
 
 def bare_run(name: str, args: argparse.Namespace) -> dict:
@@ -122,8 +137,13 @@ def bare_run(name: str, args: argparse.Namespace) -> dict:
     model = build_model(model_args, opts, device, mesh, bf16=cuda, smoke=args.cpu_smoke)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=cuda)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=cuda,
+    )
     precompute_scales = opts.get("float8") == "tensorwise"
     seq_len = gpu_features.SMOKE_SEQ_LEN if args.cpu_smoke else args.seq_len
     rates, loss = [], None
@@ -148,9 +168,13 @@ def bare_run(name: str, args: argparse.Namespace) -> dict:
         if step >= args.warmup:
             rates.append(inputs.numel() / (now - t_prev))
         t_prev = now
-    out = {"name": name, "tokens_per_sec": sum(rates) / len(rates), "final_loss": loss.item(),
-           "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
-           "checkpointed_blocks": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules())}
+    out = {
+        "name": name,
+        "tokens_per_sec": sum(rates) / len(rates),
+        "final_loss": loss.item(),
+        "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
+        "checkpointed_blocks": sum(type(m).__name__.endswith("CheckpointWrapper") for m in model.modules()),
+    }
     if cuda:
         out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     del model, optimizer
@@ -158,8 +182,9 @@ def bare_run(name: str, args: argparse.Namespace) -> dict:
 
 
 # ---- the side-by-side driver --------------------------------------------------------------------
-def lit_in_process(name: str, args: argparse.Namespace, root: Path,
-                   smoke_model: dict[str, int] = gpu_features.SMOKE_MODEL) -> dict:
+def lit_in_process(
+    name: str, args: argparse.Namespace, root: Path, smoke_model: dict[str, int] = gpu_features.SMOKE_MODEL
+) -> dict:
     """CPU smoke only: the row's lit-titan run through ``lit_titan.train.main`` in this (child) process.
 
     Same overrides as the ``python -m lit_titan.train`` run of a GPU table; one process for the whole smoke
@@ -169,8 +194,9 @@ def lit_in_process(name: str, args: argparse.Namespace, root: Path,
 
     run_dir = root / name
     try:
-        train_main(gpu_features.lit_overrides(gpu_features.CONFIGS[name] + args.lit_override, args, run_dir,
-                                              smoke_model))
+        train_main(
+            gpu_features.lit_overrides(gpu_features.CONFIGS[name] + args.lit_override, args, run_dir, smoke_model)
+        )
     except Exception as err:  # noqa: BLE001  (a failed row is reported in the table, like a failed process)
         return {"name": name, "error": f"{type(err).__name__}: {err}"[:200]}
     return gpu_features.read_result(name, run_dir, args)
@@ -178,9 +204,20 @@ def lit_in_process(name: str, args: argparse.Namespace, root: Path,
 
 def run_child(names: list[str], args: argparse.Namespace) -> list[dict]:
     """This script in a child process for ``names``: the bare loop (and, for --cpu-smoke, lit-titan too)."""
-    forwarded = ["--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), "--tokenizer-vocab", str(args.tokenizer_vocab),
-                 *[f"--lit-override={o}" for o in args.lit_override], *(["--cpu-smoke"] if args.cpu_smoke else [])]
+    forwarded = [
+        "--layers",
+        str(args.layers),
+        "--seq-len",
+        str(args.seq_len),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--tokenizer-vocab",
+        str(args.tokenizer_vocab),
+        *[f"--lit-override={o}" for o in args.lit_override],
+        *(["--cpu-smoke"] if args.cpu_smoke else []),
+    ]
     proc = subprocess.run([sys.executable, __file__, "--child", *names, *forwarded], capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"rows"')]
     if proc.returncode != 0 or not lines:
@@ -209,16 +246,20 @@ def side_by_side(names: list[str], args: argparse.Namespace) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| configuration | bare loop tok/s | lit-titan tok/s | lit / bare | bare peak GiB | lit peak GiB |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| configuration | bare loop tok/s | lit-titan tok/s | lit / bare | bare peak GiB | lit peak GiB |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         bare, lit = r["bare"], r["lit"]
         b, t = bare.get("tokens_per_sec"), lit.get("perf/tokens_per_sec_per_device")
         ratio = f"{t / b:.2f}" if b and t else ""
         mem = lambda d, k: f"{d[k]:.1f}" if k in d else "n/a"  # noqa: E731
-        lines.append(f"| {r['name']} | {f'{b:,.0f}' if b else 'failed: ' + bare.get('error', '?')} | "
-                     f"{f'{t:,.0f}' if t else 'failed: ' + lit.get('error', '?')} | {ratio} | "
-                     f"{mem(bare, 'max_memory_allocated_gib')} | {mem(lit, 'perf/max_memory_allocated_gib')} |")
+        lines.append(
+            f"| {r['name']} | {f'{b:,.0f}' if b else 'failed: ' + bare.get('error', '?')} | "
+            f"{f'{t:,.0f}' if t else 'failed: ' + lit.get('error', '?')} | {ratio} | "
+            f"{mem(bare, 'max_memory_allocated_gib')} | {mem(lit, 'perf/max_memory_allocated_gib')} |"
+        )
     return "\n".join(lines)
 
 
@@ -228,11 +269,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=8, help="measured steps")
     parser.add_argument("--warmup", type=int, default=4, help="steps before measuring (compile, allocator)")
-    parser.add_argument("--tokenizer-vocab", type=int, default=32000,
-                        help="token ids drawn below this (lit-titan's BPE); the model keeps 128256 rows")
+    parser.add_argument(
+        "--tokenizer-vocab",
+        type=int,
+        default=32000,
+        help="token ids drawn below this (lit-titan's BPE); the model keeps 128256 rows",
+    )
     parser.add_argument("--only", nargs="+", choices=list(ROWS), default=None)
-    parser.add_argument("--lit-override", action="append", default=[],
-                        help="extra Hydra override for every lit-titan run, e.g. optim.fused=true")
+    parser.add_argument(
+        "--lit-override",
+        action="append",
+        default=[],
+        help="extra Hydra override for every lit-titan run, e.g. optim.fused=true",
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny fp32 model on CPU: checks the script only")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     parser.add_argument("--child", nargs="+", choices=list(ROWS), help=argparse.SUPPRESS)
@@ -249,10 +298,13 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(rows, indent=2))
     print(f"Command: python benchmarks/vs_bare_loop.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(gpu_features.environment())
-    shape = (f"CPU smoke test: llama3_debug with {gpu_features.SMOKE_MODEL}, seq {gpu_features.SMOKE_SEQ_LEN}, fp32, "
-             "gloo, no compile, Float8 emulated (numbers mean nothing)" if args.cpu_smoke else
-             f"Llama 3.1 8B widths, {args.layers} layers, seq {args.seq_len}, micro-batch 1, global batch 1, "
-             f"bf16-mixed, FSDP2 on a one-GPU mesh")
+    shape = (
+        f"CPU smoke test: llama3_debug with {gpu_features.SMOKE_MODEL}, seq {gpu_features.SMOKE_SEQ_LEN}, fp32, "
+        "gloo, no compile, Float8 emulated (numbers mean nothing)"
+        if args.cpu_smoke
+        else f"Llama 3.1 8B widths, {args.layers} layers, seq {args.seq_len}, micro-batch 1, global batch 1, "
+        f"bf16-mixed, FSDP2 on a one-GPU mesh"
+    )
     print(f"Model: {shape}; mean tokens/s over {args.steps} steps after {args.warmup} warm-up steps\n")
     print(table(rows))
 

@@ -66,9 +66,13 @@ def import_torchtitan(cpu: bool = False):
 
         cpu_module = types.SimpleNamespace(**{k: getattr(torch.cpu, k) for k in dir(torch.cpu) if k[0] != "_"})
         cpu_module.__dict__.update(  # the CUDA memory statistics its metrics read: zeros on CPU
-            get_device_name=lambda *a: "cpu", current_device=lambda: 0, empty_cache=lambda: None,
+            get_device_name=lambda *a: "cpu",
+            current_device=lambda: 0,
+            empty_cache=lambda: None,
             get_device_properties=lambda *a: types.SimpleNamespace(total_memory=1),
-            reset_peak_memory_stats=lambda *a: None, memory_stats=lambda *a: collections.defaultdict(int))
+            reset_peak_memory_stats=lambda *a: None,
+            memory_stats=lambda *a: collections.defaultdict(int),
+        )
         tt_utils.device_type, tt_utils.device_module = "cpu", cpu_module
     try:
         import datasets  # noqa: F401
@@ -155,8 +159,11 @@ def tt_config(name: str, args: argparse.Namespace, dump_folder: str):
     if opts.get("float8"):  # smoke: no FP8 units, so torchao's emulation (TorchTitan allows it without compile)
         # LM head in bf16 (its 405B recipe); auto_filter_small_kn: torchao's small-GEMM filter, as lit-titan's default
         skip = ["lm_head", *([] if smoke else ["auto_filter_small_kn"])]
-        converters = [Float8LinearConverter.Config(recipe_name=opts["float8"], emulate=smoke, filter_fqns=skip,
-                                                   model_compile_enabled=compile_on)]
+        converters = [
+            Float8LinearConverter.Config(
+                recipe_name=opts["float8"], emulate=smoke, filter_fqns=skip, model_compile_enabled=compile_on
+            )
+        ]
     spec = model_registry("debugmodel" if smoke else "8B", converters=converters)
     spec.model.layers = spec.model.layers[: SMOKE_MODEL["n_layers"] if smoke else args.layers]
     if smoke or args.tt_sdpa:  # flex attention has no backward on CPU
@@ -164,15 +171,21 @@ def tt_config(name: str, args: argparse.Namespace, dump_folder: str):
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
     ce = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
     return Trainer.Config(
-        model_spec=spec, dump_folder=dump_folder, hf_assets_path=dump_folder,
+        model_spec=spec,
+        dump_folder=dump_folder,
+        hf_assets_path=dump_folder,
         tokenizer=StubTokenizer.Config(vocab_size=decoder_vocab_size(spec)),
         dataloader=RandomTokens.Config(high=SMOKE_MODEL["vocab_size"] if smoke else args.tokenizer_vocab),
         loss=ce if args.plain_ce else ChunkedLossWrapper.Config(loss_fn=ce),
         optimizer=default_adamw(lr=1e-4),
-        training=TrainingConfig(local_batch_size=1, seq_len=args.smoke_seq_len if smoke else args.seq_len,
-                                steps=args.warmup + args.steps, max_norm=1.0,
-                                disable_cuda_graphs=smoke or args.tt_no_cuda_graphs,
-                                mixed_precision_param="float32" if smoke else "bfloat16"),
+        training=TrainingConfig(
+            local_batch_size=1,
+            seq_len=args.smoke_seq_len if smoke else args.seq_len,
+            steps=args.warmup + args.steps,
+            max_norm=1.0,
+            disable_cuda_graphs=smoke or args.tt_no_cuda_graphs,
+            mixed_precision_param="float32" if smoke else "bfloat16",
+        ),
         compile=CompileConfig(enable=compile_on),
         activation_checkpoint=SelectiveAC.Config() if opts.get("selective_ac") else None,
         metrics=MetricsProcessor.Config(log_freq=10),
@@ -185,8 +198,14 @@ def tt_run(name: str, args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     port = args.port or _free_port()
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         os.environ[key] = value
     if dist.is_initialized():  # the smoke child ran lit-titan first, in this process
         dist.destroy_process_group()
@@ -208,9 +227,12 @@ def tt_run(name: str, args: argparse.Namespace) -> dict:
         finally:
             trainer.close()
     tokens = config.training.local_batch_size * config.training.seq_len
-    rates = [tokens / (b - a) for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])]
-    out = {"name": name, "tokens_per_sec": sum(rates) / len(rates),
-           "params": sum(p.numel() for m in trainer.model_parts for p in m.parameters())}
+    rates = [tokens / (b - a) for a, b in zip(ends[args.warmup - 1 :], ends[args.warmup :])]
+    out = {
+        "name": name,
+        "tokens_per_sec": sum(rates) / len(rates),
+        "params": sum(p.numel() for m in trainer.model_parts for p in m.parameters()),
+    }
     if torch.cuda.is_available():
         out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
     dist.destroy_process_group()
@@ -225,8 +247,8 @@ def _free_port() -> int:
 
 # ---- driver -------------------------------------------------------------------------------------
 def lit_params(args: argparse.Namespace) -> int:
-    from lit_titan.models.llama3.flops import count_params
     from lit_titan.models.llama3 import get_flavor
+    from lit_titan.models.llama3.flops import count_params
 
     if args.cpu_smoke:
         return count_params(get_flavor("llama3_debug", **SMOKE_MODEL))
@@ -250,11 +272,25 @@ def child(names: list[str], args: argparse.Namespace) -> None:
 
 
 def run_child(names: list[str], args: argparse.Namespace) -> list[dict]:
-    forwarded = ["--layers", str(args.layers), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), "--tokenizer-vocab", str(args.tokenizer_vocab), "--port", str(args.port),
-                 *[f"--lit-override={o}" for o in args.lit_override], *(["--plain-ce"] if args.plain_ce else []),
-                 *(["--tt-sdpa"] if args.tt_sdpa else []), *(["--tt-no-cuda-graphs"] if args.tt_no_cuda_graphs else []),
-                 *(["--cpu-smoke"] if args.cpu_smoke else [])]
+    forwarded = [
+        "--layers",
+        str(args.layers),
+        "--seq-len",
+        str(args.seq_len),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--tokenizer-vocab",
+        str(args.tokenizer_vocab),
+        "--port",
+        str(args.port),
+        *[f"--lit-override={o}" for o in args.lit_override],
+        *(["--plain-ce"] if args.plain_ce else []),
+        *(["--tt-sdpa"] if args.tt_sdpa else []),
+        *(["--tt-no-cuda-graphs"] if args.tt_no_cuda_graphs else []),
+        *(["--cpu-smoke"] if args.cpu_smoke else []),
+    ]
     proc = subprocess.run([sys.executable, __file__, "--child", *names, *forwarded], capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"rows"')]
     if proc.returncode != 0 or not lines:
@@ -276,17 +312,22 @@ def side_by_side(names: list[str], args: argparse.Namespace) -> list[dict]:
 
 
 def table(rows: list[dict], lit_count: int) -> str:
-    lines = ["| configuration | TorchTitan tok/s | lit-titan tok/s | lit / TorchTitan | TorchTitan peak GiB | "
-             "lit-titan peak GiB | parameters (TorchTitan / lit-titan) |", "|" + " --- |" * 7]
+    lines = [
+        "| configuration | TorchTitan tok/s | lit-titan tok/s | lit / TorchTitan | TorchTitan peak GiB | "
+        "lit-titan peak GiB | parameters (TorchTitan / lit-titan) |",
+        "|" + " --- |" * 7,
+    ]
     for r in rows:
         tt, lit = r["torchtitan"], r["lit"]
         a, b = tt.get("tokens_per_sec"), lit.get("perf/tokens_per_sec_per_device")
         mem = lambda d, k: f"{d[k]:.1f}" if k in d else "n/a"  # noqa: E731
         params = f"{tt['params']:,} / {lit_count:,}" if "params" in tt else ""
-        lines.append(f"| {r['name']} | {f'{a:,.0f}' if a else 'failed: ' + tt.get('error', '?')} | "
-                     f"{f'{b:,.0f}' if b else 'failed: ' + lit.get('error', '?')} | {f'{b / a:.2f}' if a and b else ''}"
-                     f" | {mem(tt, 'max_memory_allocated_gib')} | {mem(lit, 'perf/max_memory_allocated_gib')} | "
-                     f"{params} |")
+        lines.append(
+            f"| {r['name']} | {f'{a:,.0f}' if a else 'failed: ' + tt.get('error', '?')} | "
+            f"{f'{b:,.0f}' if b else 'failed: ' + lit.get('error', '?')} | {f'{b / a:.2f}' if a and b else ''}"
+            f" | {mem(tt, 'max_memory_allocated_gib')} | {mem(lit, 'perf/max_memory_allocated_gib')} | "
+            f"{params} |"
+        )
     return "\n".join(lines)
 
 
@@ -296,16 +337,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=8, help="measured steps")
     parser.add_argument("--warmup", type=int, default=4, help="steps before measuring (compile, CUDA graphs)")
-    parser.add_argument("--tokenizer-vocab", type=int, default=32000,
-                        help="token ids drawn below this (lit-titan's BPE); the model keeps 128256 rows")
+    parser.add_argument(
+        "--tokenizer-vocab",
+        type=int,
+        default=32000,
+        help="token ids drawn below this (lit-titan's BPE); the model keeps 128256 rows",
+    )
     parser.add_argument("--only", nargs="+", choices=list(ROWS), default=None)
-    parser.add_argument("--lit-override", action="append", default=[],
-                        help="extra Hydra override for every lit-titan run, e.g. optim.fused=true")
+    parser.add_argument(
+        "--lit-override",
+        action="append",
+        default=[],
+        help="extra Hydra override for every lit-titan run, e.g. optim.fused=true",
+    )
     parser.add_argument("--plain-ce", action="store_true", help="TorchTitan: plain instead of chunked cross-entropy")
-    parser.add_argument("--tt-no-cuda-graphs", action="store_true",
-                        help="TorchTitan: no CUDA graph of forward+backward (on by default in 0.3.0)")
-    parser.add_argument("--tt-sdpa", action="store_true",
-                        help="TorchTitan: causal SDPA (cuDNN, flash, math) instead of its default flex attention")
+    parser.add_argument(
+        "--tt-no-cuda-graphs",
+        action="store_true",
+        help="TorchTitan: no CUDA graph of forward+backward (on by default in 0.3.0)",
+    )
+    parser.add_argument(
+        "--tt-sdpa",
+        action="store_true",
+        help="TorchTitan: causal SDPA (cuDNN, flash, math) instead of its default flex attention",
+    )
     parser.add_argument("--port", type=int, default=0, help="TorchTitan's rendezvous port (0: a free one)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny fp32 model on CPU: checks the script only")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
@@ -331,15 +386,20 @@ def main(argv: list[str] | None = None) -> None:
     except Exception:  # noqa: BLE001
         tt_version = "missing"
     print(f"{gpu_features.environment()}; torchtitan {tt_version}")
-    shape = (f"CPU smoke test: {SMOKE_MODEL}, seq {gpu_features.SMOKE_SEQ_LEN}, fp32, gloo, no compile, Float8 "
-             "emulated (numbers mean nothing)" if args.cpu_smoke else
-             f"Llama 3.1 8B widths, {args.layers} layers, seq {args.seq_len}, micro-batch 1, global batch 1, bf16 "
-             "params / fp32 reduce, FSDP2 on one GPU")
+    shape = (
+        f"CPU smoke test: {SMOKE_MODEL}, seq {gpu_features.SMOKE_SEQ_LEN}, fp32, gloo, no compile, Float8 "
+        "emulated (numbers mean nothing)"
+        if args.cpu_smoke
+        else f"Llama 3.1 8B widths, {args.layers} layers, seq {args.seq_len}, micro-batch 1, global batch 1, bf16 "
+        "params / fp32 reduce, FSDP2 on one GPU"
+    )
     print(f"Model: {shape}; mean tokens/s over {args.steps} steps after {args.warmup} warm-up steps")
     attention = "SDPA" if args.tt_sdpa or args.cpu_smoke else "flex"
-    print(f"TorchTitan's own choices: {attention} attention, {'plain' if args.plain_ce else 'chunked'} cross-entropy, "
-          f"{'no CUDA graphs' if args.cpu_smoke or args.tt_no_cuda_graphs else 'CUDA graph of forward+backward'}, "
-          "GC every 50 steps, metrics every 10 steps\n")
+    print(
+        f"TorchTitan's own choices: {attention} attention, {'plain' if args.plain_ce else 'chunked'} cross-entropy, "
+        f"{'no CUDA graphs' if args.cpu_smoke or args.tt_no_cuda_graphs else 'CUDA graph of forward+backward'}, "
+        "GC every 50 steps, metrics every 10 steps\n"
+    )
     print(table(rows, lit_count))
 
 

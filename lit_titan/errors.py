@@ -23,8 +23,11 @@ class ConfigError(UserError):
 
 
 # ``key=value must ...`` (raised below the config layer, which does not know the line's form).
-_KEYED = re.compile(r"^(?P<kv>[A-Za-z_][\w.\[\]]*=(?:\[[^\]]*\]|\{[^}]*\}|'[^']*'|\S+?))(?P<colon>:?) "
-                    r"(?P<rest>.*)$", re.S)
+_KEYED = re.compile(
+    r"^(?P<kv>[A-Za-z_][\w.\[\]]*=(?:\[[^\]]*\]|\{[^}]*\}|'[^']*'|\S+?))(?P<colon>:?) "
+    r"(?P<rest>.*)$",
+    re.S,
+)
 
 
 def one_line(err: BaseException | str, *, with_type: bool = False) -> str:
@@ -95,8 +98,12 @@ class Preempted(Exception):
 # What a collective raises on the ranks left when a peer dies (gloo; NCCL reports its peer's abort).
 # Here, at the bottom, because the checkpoint writer (which must not blame the disk for it) and the
 # command line (which prints the one line, lit_titan/observe/peer_exit.py) both ask.
-PEER_GONE = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer",
-             "NCCL communicator was aborted")
+PEER_GONE = (
+    "Connection closed by peer",
+    "remote worker crashing",
+    "Connection reset by peer",
+    "NCCL communicator was aborted",
+)
 
 
 def is_peer_failure(err: BaseException) -> bool:
@@ -104,5 +111,16 @@ def is_peer_failure(err: BaseException) -> bool:
     return any(text in str(err) for text in PEER_GONE)
 
 
-__all__ = ["NONFINITE_EXIT_CODE", "PEER_GONE", "REQUEUE_EXIT_CODE", "ConfigError", "NonFiniteError", "Preempted",
-           "UserError", "error_line", "is_peer_failure", "keyed_line", "one_line"]
+__all__ = [
+    "NONFINITE_EXIT_CODE",
+    "PEER_GONE",
+    "REQUEUE_EXIT_CODE",
+    "ConfigError",
+    "NonFiniteError",
+    "Preempted",
+    "UserError",
+    "error_line",
+    "is_peer_failure",
+    "keyed_line",
+    "one_line",
+]

@@ -31,72 +31,94 @@ class Known:
 
 
 KNOWN_WARNINGS = (
-    Known(module=r"lightning\.pytorch\.utilities\._pytree",
-          message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-          reason="Lightning's own pytree helper builds torch's LeafSpec, which torch deprecated; it works and "
-                 "only Lightning can change it",
-          seen_with="lightning 2.6.6, torch 2.15"),
+    Known(
+        module=r"lightning\.pytorch\.utilities\._pytree",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        reason="Lightning's own pytree helper builds torch's LeafSpec, which torch deprecated; it works and "
+        "only Lightning can change it",
+        seen_with="lightning 2.6.6, torch 2.15",
+    ),
     # Hydra attributes it 11 frames up (stacklevel=11): to whichever caller composed the config.
-    Known(module=r".*",
-          message=r"\s*'hydra/launcher/submitit_(local|slurm)' is validated against ConfigStore",
-          reason="conf/hydra/launcher/submitit_*.yaml shadow the plugin's configs of the same name (filled from "
-                 "the cluster profile); each holds every key the launcher reads, so it works the same when "
-                 "Hydra stops merging them with the plugin's schema",
-          seen_with="hydra-core 1.3.8, hydra-submitit-launcher 1.2.0"),
-    Known(module=r"lightning\.pytorch\.loops\.training_epoch_loop",
-          message=r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is "
-                  r"not resumable",
-          reason="lit-titan resumes the data by counter: the datamodule's state_dict holds the data position and "
-                 "the sampler starts there (data/datamodule.py, batches.StepSampler), so the next batch is exactly "
-                 "the one an uninterrupted run reads (test_checkpoint.py::test_resume_is_bitwise_exact); Lightning "
-                 "only looks for a state_dict on the DataLoader itself",
-          seen_with="lightning 2.6.6"),
-    Known(module=r"torch\.distributed\.fsdp\._fully_shard\._fsdp_state",
-          message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
-          reason="a pipeline stage's output is a view (F.linear over [batch, seq, dim] reshapes its matmul); "
-                 "nothing applies an in-place op to it (the schedule hands it to the loss or sends it to the "
-                 "next stage), which is what the warning is about; the pipeline parity tests compare the "
-                 "gradients with one process",
-          seen_with="torch 2.15"),
-    Known(module=r"torch\.distributed\.device_mesh",
-          message=r"Slicing a flattened dim from root mesh will be deprecated",
-          reason="HSDP's 2-D mesh (dp_replicate x dp_shard_cp) is sliced from the root mesh after dp_shard_cp was "
-                 "flattened (strategies/strategy.py), as TorchTitan does; torch 2.11-2.15 still support it and have "
-                 "no replacement common to all of them (keeping the flattened meshes ourselves is the change it "
-                 "asks for); the HSDP parity cases compare gradients with one process",
-          seen_with="torch 2.15"),
-    Known(module=r"tqdm\.auto",
-          message=r"IProgress not found",
-          reason="importing Lightning in a Jupyter kernel without ipywidgets; lit-titan's progress bar prints "
-                 "plain lines there (a kernel's stdout is not a terminal), so no widget is needed",
-          seen_with="tqdm 4.70.1, lightning 2.6.6"),
+    Known(
+        module=r".*",
+        message=r"\s*'hydra/launcher/submitit_(local|slurm)' is validated against ConfigStore",
+        reason="conf/hydra/launcher/submitit_*.yaml shadow the plugin's configs of the same name (filled from "
+        "the cluster profile); each holds every key the launcher reads, so it works the same when "
+        "Hydra stops merging them with the plugin's schema",
+        seen_with="hydra-core 1.3.8, hydra-submitit-launcher 1.2.0",
+    ),
+    Known(
+        module=r"lightning\.pytorch\.loops\.training_epoch_loop",
+        message=r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is "
+        r"not resumable",
+        reason="lit-titan resumes the data by counter: the datamodule's state_dict holds the data position and "
+        "the sampler starts there (data/datamodule.py, batches.StepSampler), so the next batch is exactly "
+        "the one an uninterrupted run reads (test_checkpoint.py::test_resume_is_bitwise_exact); Lightning "
+        "only looks for a state_dict on the DataLoader itself",
+        seen_with="lightning 2.6.6",
+    ),
+    Known(
+        module=r"torch\.distributed\.fsdp\._fully_shard\._fsdp_state",
+        message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
+        reason="a pipeline stage's output is a view (F.linear over [batch, seq, dim] reshapes its matmul); "
+        "nothing applies an in-place op to it (the schedule hands it to the loss or sends it to the "
+        "next stage), which is what the warning is about; the pipeline parity tests compare the "
+        "gradients with one process",
+        seen_with="torch 2.15",
+    ),
+    Known(
+        module=r"torch\.distributed\.device_mesh",
+        message=r"Slicing a flattened dim from root mesh will be deprecated",
+        reason="HSDP's 2-D mesh (dp_replicate x dp_shard_cp) is sliced from the root mesh after dp_shard_cp was "
+        "flattened (strategies/strategy.py), as TorchTitan does; torch 2.11-2.15 still support it and have "
+        "no replacement common to all of them (keeping the flattened meshes ourselves is the change it "
+        "asks for); the HSDP parity cases compare gradients with one process",
+        seen_with="torch 2.15",
+    ),
+    Known(
+        module=r"tqdm\.auto",
+        message=r"IProgress not found",
+        reason="importing Lightning in a Jupyter kernel without ipywidgets; lit-titan's progress bar prints "
+        "plain lines there (a kernel's stdout is not a terminal), so no widget is needed",
+        seen_with="tqdm 4.70.1, lightning 2.6.6",
+    ),
 )
 
 KNOWN_LOG_LINES = (
-    Known(module=r"lightning\.(pytorch|fabric)\.utilities\.rank_zero",
-          message=r"💡 Tip: For seamless cloud logging and experiment tracking, try installing \[litlogger\]",
-          reason="an advertisement for a hosted product, printed on every fit without a LitLogger",
-          seen_with="lightning 2.6.6"),
-    Known(module=r"torch\.utils\._pytree",
-          message=r"<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch\.compile",
-          reason="torchao registers its own enum as a pytree constant on import (Float8: every `lit-titan plan` "
-                 "of a recipe with float8, every run with callbacks=[float8]); torch still accepts it, and only "
-                 "torchao can drop the call",
-          seen_with="torchao 0.18.0, torch 2.15"),
-    Known(module=r"torch\.distributed\.tensor\._redistribute",
-          message=r"While redistributing from \(_NormPartial",
-          reason="the gradient norm for clipping (strategies/grad_norm.py) under FSDP x TP is a scalar partial "
-                 "over two mesh dimensions, reduced by two all-reduces of one number instead of one: every rank "
-                 "receives the same result (the losses match one device: tests/parity/test_parallel.py); printed once "
-                 "per rank, nothing a user can change (flattening the mesh for it is the strategy's job)",
-          seen_with="torch 2.15"),
+    Known(
+        module=r"lightning\.(pytorch|fabric)\.utilities\.rank_zero",
+        message=r"💡 Tip: For seamless cloud logging and experiment tracking, try installing \[litlogger\]",
+        reason="an advertisement for a hosted product, printed on every fit without a LitLogger",
+        seen_with="lightning 2.6.6",
+    ),
+    Known(
+        module=r"torch\.utils\._pytree",
+        message=r"<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch\.compile",
+        reason="torchao registers its own enum as a pytree constant on import (Float8: every `lit-titan plan` "
+        "of a recipe with float8, every run with callbacks=[float8]); torch still accepts it, and only "
+        "torchao can drop the call",
+        seen_with="torchao 0.18.0, torch 2.15",
+    ),
+    Known(
+        module=r"torch\.distributed\.tensor\._redistribute",
+        message=r"While redistributing from \(_NormPartial",
+        reason="the gradient norm for clipping (strategies/grad_norm.py) under FSDP x TP is a scalar partial "
+        "over two mesh dimensions, reduced by two all-reduces of one number instead of one: every rank "
+        "receives the same result (the losses match one device: tests/parity/test_parallel.py); printed once "
+        "per rank, nothing a user can change (flattening the mesh for it is the strategy's job)",
+        seen_with="torch 2.15",
+    ),
 )
 
 # The loggers the known log lines come from (a logging filter acts on the records of its own logger).
 # rank_zero_info logs through the logger of the rank_zero module that imported last (fabric's, then
 # pytorch's), so both carry the filter.
-_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero", "torch.utils._pytree",
-            "torch.distributed.tensor._redistribute")
+_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "torch.utils._pytree",
+    "torch.distributed.tensor._redistribute",
+)
 
 
 def add_warning_filters() -> None:

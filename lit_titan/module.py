@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from lit_titan.models import registry
 from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
-from lit_titan.optim.build import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.observe.phases import PhaseClock, phase
+from lit_titan.optim.build import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.strategies.contract import StrategyContract, contract
 from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_norm
 
@@ -45,9 +45,16 @@ class PretrainModule(L.LightningModule):
         super().__init__()
         if isinstance(optim, dict) or optim is None:
             optim = _optim_config(optim or {})
-        self.save_hyperparameters({"model": model, "model_overrides": dict(model_overrides or {}),
-                                   "optim": asdict(optim), "seed": seed, "init_from_hf": init_from_hf,
-                                   "loss_chunk_tokens": loss_chunk_tokens})
+        self.save_hyperparameters(
+            {
+                "model": model,
+                "model_overrides": dict(model_overrides or {}),
+                "optim": asdict(optim),
+                "seed": seed,
+                "init_from_hf": init_from_hf,
+                "loss_chunk_tokens": loss_chunk_tokens,
+            }
+        )
         self.model_args = registry.model_args(model, **dict(model_overrides or {}))
         self.loss_chunk_tokens = resolve_chunk_tokens(loss_chunk_tokens, self.model_args.vocab_size)
         self.optim_config = optim
@@ -108,7 +115,9 @@ class PretrainModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, documents: Tensor | None = None) -> Tensor:
-        return self.model(tokens, positions) if documents is None else self.model(tokens, positions, documents=documents)
+        return (
+            self.model(tokens, positions) if documents is None else self.model(tokens, positions, documents=documents)
+        )
 
     def unpack_batch(self, batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """A token batch, or ``{"tokens", "positions"?, "documents"?}`` (``data.document_positions`` /
@@ -133,11 +142,15 @@ class PretrainModule(L.LightningModule):
         loss is the default one: a subclass overriding ``compute_loss`` gets full logits.
         """
         head = getattr(self.model, "output", None) if self.model is not None else None
-        return (self.loss_chunk_tokens > 0 and type(self).compute_loss is PretrainModule.compute_loss
-                and hasattr(head, "chunk_tokens"))
+        return (
+            self.loss_chunk_tokens > 0
+            and type(self).compute_loss is PretrainModule.compute_loss
+            and hasattr(head, "chunk_tokens")
+        )
 
-    def model_loss(self, inputs: Tensor, labels: Tensor, positions: Tensor | None = None,
-                   documents: Tensor | None = None) -> Tensor:
+    def model_loss(
+        self, inputs: Tensor, labels: Tensor, positions: Tensor | None = None, documents: Tensor | None = None
+    ) -> Tensor:
         """The micro-batch loss: the head's chunked loss, or ``compute_loss`` over full logits.
 
         ``documents`` (``data.document_masking``) makes attention block-causal per document.
@@ -195,8 +208,9 @@ class PretrainModule(L.LightningModule):
             self.log("train/loss", step_loss, sync_dist=True, prog_bar=True, on_step=True, on_epoch=False)
             self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
             self.log("train/grad_norm", self._last_grad_norm, on_step=True, on_epoch=False)
-            self.log("train/tokens_seen", float((self.global_step + 1) * self._tokens_per_step),
-                     on_step=True, on_epoch=False)
+            self.log(
+                "train/tokens_seen", float((self.global_step + 1) * self._tokens_per_step), on_step=True, on_epoch=False
+            )
         self._micro_batches = 0  # the next record_train_loss starts a new sum
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
@@ -207,8 +221,9 @@ class PretrainModule(L.LightningModule):
             return
         optimizer.zero_grad()
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val=None,
-                                    gradient_clip_algorithm=None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
         """Clip by the true global norm (across every mesh dim), computed once per step."""
         if not gradient_clip_val:
             return

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from s3server import s3_server  # noqa: F401  (a real S3-compatible server on 127.0.0.1: tests/support/s3server.py)
 
 # Variables of the user's shell that change what lit-titan, Lightning, torch or Hydra do (error
@@ -11,13 +12,29 @@ from s3server import s3_server  # noqa: F401  (a real S3-compatible server on 12
 # before anything runs, so neither in-process runs nor the processes the tests start (which inherit
 # this environment) depend on the shell the suite was started from. A test that needs one sets it
 # itself (e.g. HYDRA_FULL_ERROR=1 in the env of the command it starts).
-USER_SHELL_VARIABLES = ("HYDRA_FULL_ERROR", "PYTHONWARNINGS", "FORCE_COLOR", "TORCH_DISTRIBUTED_DEBUG",
-                        "TORCH_CPP_LOG_LEVEL", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES", "MASTER_ADDR",
-                        "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                        "LOCAL_WORLD_SIZE", "GLOBAL_RANK")
+USER_SHELL_VARIABLES = (
+    "HYDRA_FULL_ERROR",
+    "PYTHONWARNINGS",
+    "FORCE_COLOR",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "TORCH_CPP_LOG_LEVEL",
+    "TORCH_LOGS",
+    "TORCH_SHOW_CPP_STACKTRACES",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GLOBAL_RANK",
+)
 USER_SHELL_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_", "PL_", "WANDB_", "AWS_", "LIT_TITAN_")
 KEPT = ("LIT_TITAN_CACHE",)  # a cache of tokenizers and shards: the user's is reused, it changes no result
-for _name in [k for k in os.environ if k not in KEPT and (k in USER_SHELL_VARIABLES or k.startswith(USER_SHELL_PREFIXES))]:
+for _name in [
+    k for k in os.environ if k not in KEPT and (k in USER_SHELL_VARIABLES or k.startswith(USER_SHELL_PREFIXES))
+]:
     del os.environ[_name]
 
 # One inductor cache for the whole suite and every process it starts (worlds, command lines): the

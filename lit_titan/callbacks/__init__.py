@@ -14,5 +14,20 @@ from lit_titan.callbacks.throughput import ThroughputMonitor
 from lit_titan.callbacks.timeline import Timeline
 from lit_titan.callbacks.watchdog import WATCHDOG_EXIT_CODE, Watchdog
 
-__all__ = ["ActivationCheckpointing", "Checkpointing", "Compile", "FaultInjection", "Float8", "NonFiniteError",
-           "NonFiniteGuard", "Profiler", "RunSummary", "StepProgressBar", "StragglerReport", "ThroughputMonitor", "Timeline", "WATCHDOG_EXIT_CODE", "Watchdog"]
+__all__ = [
+    "ActivationCheckpointing",
+    "Checkpointing",
+    "Compile",
+    "FaultInjection",
+    "Float8",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "Profiler",
+    "RunSummary",
+    "StepProgressBar",
+    "StragglerReport",
+    "ThroughputMonitor",
+    "Timeline",
+    "WATCHDOG_EXIT_CODE",
+    "Watchdog",
+]

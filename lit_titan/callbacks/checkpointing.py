@@ -25,8 +25,14 @@ from lit_titan.strategies.contract import contract
 
 
 class Checkpointing(L.Callback):
-    def __init__(self, dirpath: str, every_n_steps: int = 0, keep_last: int = 3, async_save: bool = True,
-                 fingerprint: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        dirpath: str,
+        every_n_steps: int = 0,
+        keep_last: int = 3,
+        async_save: bool = True,
+        fingerprint: dict[str, Any] | None = None,
+    ) -> None:
         """
         Args:
             dirpath: where ``step-XXXXXX`` checkpoint directories go (``<run_dir>/checkpoints``).
@@ -61,12 +67,17 @@ class Checkpointing(L.Callback):
         self._last_saved = trainer.global_step  # a resumed run does not re-save the step it resumed from
         strategy = trainer.strategy
         strategy.checkpoint_writer.preflight(
-            self.dirpath, expected_state(strategy.model, trainer.optimizers), rank=trainer.global_rank,
-            world_size=trainer.world_size, every_n_steps=self.every_n_steps,
-            n_saves=planned_saves(trainer.global_step, trainer.max_steps, self.every_n_steps))
+            self.dirpath,
+            expected_state(strategy.model, trainer.optimizers),
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            every_n_steps=self.every_n_steps,
+            n_saves=planned_saves(trainer.global_step, trainer.max_steps, self.every_n_steps),
+        )
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step == self._last_saved:  # not an optimizer-step boundary (gradient accumulation)
             return

@@ -16,8 +16,9 @@ class Compile(L.Callback):
     also compiles the module's ``compute_loss``.
     """
 
-    def __init__(self, fullgraph: bool = True, backend: str = "inductor", mode: str | None = None,
-                 compile_loss: bool = False) -> None:
+    def __init__(
+        self, fullgraph: bool = True, backend: str = "inductor", mode: str | None = None, compile_loss: bool = False
+    ) -> None:
         self.fullgraph, self.backend, self.mode, self.compile_loss = fullgraph, backend, mode, compile_loss
         self._registered = False
 

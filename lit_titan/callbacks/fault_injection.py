@@ -30,8 +30,15 @@ from lit_titan.strategies.contract import contract
 
 
 class FaultInjection(L.Callback):
-    def __init__(self, kill_rank: int, at_step: int, during_save: bool = False, save_error: str | None = None,
-                 stage_error: str | None = None, pause: bool = False) -> None:
+    def __init__(
+        self,
+        kill_rank: int,
+        at_step: int,
+        during_save: bool = False,
+        save_error: str | None = None,
+        stage_error: str | None = None,
+        pause: bool = False,
+    ) -> None:
         self.kill_rank, self.at_step, self.during_save, self.pause = kill_rank, at_step, during_save, pause
         self.save_error, self.stage_error = save_error, stage_error
         for name, value in (("save_error", save_error), ("stage_error", stage_error)):
@@ -57,8 +64,9 @@ class FaultInjection(L.Callback):
         elif self.during_save:
             trainer.strategy.checkpoint_writer.on_write_started.append(self._on_save)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         drill = self.during_save or self.save_error is not None or self.stage_error is not None
         if self.pause and trainer.global_step == self.at_step:
             self._pause()
@@ -74,8 +82,12 @@ class FaultInjection(L.Callback):
             return
         go_on: list[int] = []
         previous = signal.signal(signal.SIGCONT, lambda signum, frame: go_on.append(signum))
-        print(f"lit-titan: fault injection: rank {self._rank} (pid {os.getpid()}) paused at step {self.at_step} "
-              "until it receives SIGTERM or SIGUSR1 (or SIGCONT: go on)", file=sys.stderr, flush=True)
+        print(
+            f"lit-titan: fault injection: rank {self._rank} (pid {os.getpid()}) paused at step {self.at_step} "
+            "until it receives SIGTERM or SIGUSR1 (or SIGCONT: go on)",
+            file=sys.stderr,
+            flush=True,
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while not stop_requested() and not go_on and time.monotonic() < deadline:

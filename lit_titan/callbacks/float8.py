@@ -96,8 +96,9 @@ class Float8(L.Callback):
         self.recipe = recipe
         self.enable_fsdp_float8_all_gather = enable_fsdp_float8_all_gather and recipe == "tensorwise"
         if enable_fsdp_float8_all_gather and recipe != "tensorwise":
-            rank_zero_info(f"Float8: FP8 all-gather needs the tensorwise recipe; recipe={recipe!r} gathers in "
-                           f"the FSDP param dtype")
+            rank_zero_info(
+                f"Float8: FP8 all-gather needs the tensorwise recipe; recipe={recipe!r} gathers in the FSDP param dtype"
+            )
         # Scales only matter when FSDP gathers float8 weights; otherwise there is nothing to precompute.
         self.precompute_scales = precompute_scales and self.enable_fsdp_float8_all_gather
         self.emulate = emulate
@@ -115,8 +116,9 @@ class Float8(L.Callback):
         from torchao.float8 import Float8LinearConfig
 
         config = Float8LinearConfig.from_recipe_name(self.recipe)
-        return dataclasses.replace(config, emulate=self.emulate,
-                                   enable_fsdp_float8_all_gather=self.enable_fsdp_float8_all_gather)
+        return dataclasses.replace(
+            config, emulate=self.emulate, enable_fsdp_float8_all_gather=self.enable_fsdp_float8_all_gather
+        )
 
     def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
         """True where a module becomes Float8Linear: a Linear not in ``filter_fqns`` with FP8-sized dims."""
@@ -142,11 +144,15 @@ class Float8(L.Callback):
         convert_to_float8_training(model, config=self.float8_config(), module_filter_fn=self.module_filter_fn)
         self.converted = [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
         if not self.converted:
-            rank_zero_warn("Float8: no Linear layer passed the filter, the model trains without float8"
-                           + (" (small model? try auto_filter_small_kn=False)" if self.auto_filter_small_kn else ""))
+            rank_zero_warn(
+                "Float8: no Linear layer passed the filter, the model trains without float8"
+                + (" (small model? try auto_filter_small_kn=False)" if self.auto_filter_small_kn else "")
+            )
         else:
-            rank_zero_info(f"Float8 ({self.recipe}{', emulated' if self.emulate else ''}): converted "
-                           f"{len(self.converted)} Linear layers")
+            rank_zero_info(
+                f"Float8 ({self.recipe}{', emulated' if self.emulate else ''}): converted "
+                f"{len(self.converted)} Linear layers"
+            )
 
     def tp_style(self, fqn: str, module: nn.Module, style: Any) -> Any:
         """The TP style rewrite of ``float8_tp=True``: the plan's style, or its float8 counterpart.
@@ -172,11 +178,15 @@ class Float8(L.Callback):
 
         if isinstance(module, Float8Linear) and type(style) in (ColwiseParallel, RowwiseParallel):
             cls = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
-            return cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
-                       use_local_output=style.use_local_output)
+            return cls(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
         if type(style) is PrepareModuleInput and _gathers_for_float8_linears(module, style, Float8Linear):
             return PrepareFloat8ModuleInput(
-                input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
                 input_kwarg_layouts=style.input_kwarg_layouts if style.with_kwargs else None,
                 desired_input_kwarg_layouts=style.desired_input_kwarg_layouts if style.with_kwargs else None,
                 use_local_output=style.use_local_output,
@@ -196,16 +206,22 @@ class Float8(L.Callback):
             return
         if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
             return
-        where = (f"CUDA compute capability {torch.cuda.get_device_capability(device)}" if device.type == "cuda"
-                 else f"device type {device.type!r}")
-        raise RuntimeError(f"Float8 needs FP8 units (CUDA compute capability >= 8.9); this run has {where}. "
-                           f"Pass Float8(emulate=True) to run the float8 numerics without them (no speed-up).")
+        where = (
+            f"CUDA compute capability {torch.cuda.get_device_capability(device)}"
+            if device.type == "cuda"
+            else f"device type {device.type!r}"
+        )
+        raise RuntimeError(
+            f"Float8 needs FP8 units (CUDA compute capability >= 8.9); this run has {where}. "
+            f"Pass Float8(emulate=True) to run the float8 numerics without them (no speed-up)."
+        )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_step = trainer.global_step  # resumed runs start counting from their step
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Precompute FP8 weight scales after every optimizer step.
 
         ``on_train_batch_end`` runs after ``optimizer.step()``; ``global_step`` changing tells us a
@@ -229,11 +245,16 @@ def _gathers_for_float8_linears(module: nn.Module, style: Any, float8_linear: ty
         return isinstance(src, Shard) and isinstance(dst, Replicate)
 
     pairs = list(zip(style.input_layouts or (), style.desired_input_layouts or ()))
-    pairs += [(style.input_kwarg_layouts[k], style.desired_input_kwarg_layouts.get(k))
-              for k in (style.input_kwarg_layouts if style.with_kwargs else {})]
+    pairs += [
+        (style.input_kwarg_layouts[k], style.desired_input_kwarg_layouts.get(k))
+        for k in (style.input_kwarg_layouts if style.with_kwargs else {})
+    ]
     linears = [m for m in module.children() if isinstance(m, nn.Linear)]
-    return (any(gathers(src, dst) for src, dst in pairs)
-            and bool(linears) and all(isinstance(m, float8_linear) for m in linears))
+    return (
+        any(gathers(src, dst) for src, dst in pairs)
+        and bool(linears)
+        and all(isinstance(m, float8_linear) for m in linears)
+    )
 
 
 __all__ = ["Float8", "RECIPES"]

@@ -54,11 +54,18 @@ class NonFiniteGuard(L.Callback):
         check_loss / check_grads: which quantities to check.
     """
 
-    def __init__(self, action: Literal["stop", "skip_step"] = "stop", max_consecutive_skips: int = 5,
-                 check_loss: bool = True, check_grads: bool = True) -> None:
+    def __init__(
+        self,
+        action: Literal["stop", "skip_step"] = "stop",
+        max_consecutive_skips: int = 5,
+        check_loss: bool = True,
+        check_grads: bool = True,
+    ) -> None:
         if action not in ACTIONS:
-            raise ValueError(f"NonFiniteGuard action={action!r}; choose 'stop' (raise before the update) or "
-                             f"'skip_step' (drop the update)")
+            raise ValueError(
+                f"NonFiniteGuard action={action!r}; choose 'stop' (raise before the update) or "
+                f"'skip_step' (drop the update)"
+            )
         if max_consecutive_skips < 1:
             raise ValueError("NonFiniteGuard max_consecutive_skips must be >= 1")
         self.action = action
@@ -96,8 +103,9 @@ class NonFiniteGuard(L.Callback):
             loss = _local(loss.detach()).float().sum()
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                                 optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         # Runs before the module's hook, which resets its step loss: read it now, decide later.
         losses = [] if self._loss_sum is None else [self._loss_sum]
         step_loss, micro = getattr(pl_module, "_step_loss", None), getattr(pl_module, "_micro_batches", 0)
@@ -110,8 +118,9 @@ class NonFiniteGuard(L.Callback):
         if not self._hooks:  # no closure hook (step() called outside fit's loop): decide now
             self._decide(trainer, pl_module, optimizer, after_module=False)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         # a dense column: 0, 0, 1, 1, ... (cumulative), in every row (logging steps only: logging a
         # Python number copies it to the device, a host sync on GPU)
         if self._decided and self.action == "skip_step" and is_logging_step(trainer, trainer.global_step):
@@ -119,8 +128,9 @@ class NonFiniteGuard(L.Callback):
         self._decided = False
 
     # ---- the decision ---------------------------------------------------------------------------
-    def _decide(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer,
-                after_module: bool) -> bool:
+    def _decide(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer, after_module: bool
+    ) -> bool:
         """Whether this step's update must be dropped; raises ``NonFiniteError`` to stop. Collective."""
         self._pending, self._decided = False, True
         device = trainer.strategy.root_device
@@ -152,20 +162,27 @@ class NonFiniteGuard(L.Callback):
         what = ", ".join(f for f in found if f)
         ranks = f" on {int(n_loss)} of {world} ranks" if world > 1 and n_loss and not n_grad else ""
         if self.action == "stop":
-            raise NonFiniteError(f"non-finite {what} at optimizer step {step}{ranks}: stopped before the update "
-                                 f"(nonfinite.action=stop), every checkpoint saved so far is kept; lower optim.lr or "
-                                 f"check the data and resume=auto, or set nonfinite.action=skip_step to drop such steps")
+            raise NonFiniteError(
+                f"non-finite {what} at optimizer step {step}{ranks}: stopped before the update "
+                f"(nonfinite.action=stop), every checkpoint saved so far is kept; lower optim.lr or "
+                f"check the data and resume=auto, or set nonfinite.action=skip_step to drop such steps"
+            )
         self.skipped_steps += 1
         self.consecutive_skips += 1
         self.skipped_at.append(step)
         if self.consecutive_skips >= self.max_consecutive_skips:
-            raise NonFiniteError(f"non-finite {what} at optimizer step {step}{ranks}: {self.consecutive_skips} "
-                                 f"consecutive steps skipped (nonfinite.max_consecutive_skips="
-                                 f"{self.max_consecutive_skips}); stopping: the run is diverging, resume from an "
-                                 f"earlier checkpoint with a lower learning rate or check the data")
+            raise NonFiniteError(
+                f"non-finite {what} at optimizer step {step}{ranks}: {self.consecutive_skips} "
+                f"consecutive steps skipped (nonfinite.max_consecutive_skips="
+                f"{self.max_consecutive_skips}); stopping: the run is diverging, resume from an "
+                f"earlier checkpoint with a lower learning rate or check the data"
+            )
         if trainer.is_global_zero:
-            print(f"lit-titan: NonFiniteGuard skipped optimizer step {step}: non-finite {what}{ranks} "
-                  f"({self.consecutive_skips} in a row, {self.skipped_steps} in total)", flush=True)
+            print(
+                f"lit-titan: NonFiniteGuard skipped optimizer step {step}: non-finite {what}{ranks} "
+                f"({self.consecutive_skips} in a row, {self.skipped_steps} in total)",
+                flush=True,
+            )
         return True
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -178,8 +195,11 @@ class NonFiniteGuard(L.Callback):
         def closure_then_decide() -> Any:
             result = closure()
             trainer = self._trainer
-            if self._pending and trainer is not None and self._decide(trainer, trainer.lightning_module, optimizer,
-                                                                      after_module=True):
+            if (
+                self._pending
+                and trainer is not None
+                and self._decide(trainer, trainer.lightning_module, optimizer, after_module=True)
+            ):
                 _drop_grads(optimizer)
             return result
 

@@ -114,8 +114,9 @@ class Preemption(L.Callback):
         request_stop(f"{signal.Signals(signum).name}", outage=False)
 
     # ---- the agreement -------------------------------------------------------------------------
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         # At an optimizer-step boundary only, where Checkpointing saves too (its hook ran before this
         # one): Lightning's LR schedulers and loop counters then hold what an exact resume expects.
         step = trainer.global_step
@@ -217,5 +218,8 @@ def _slurm_requeue(trainer: L.Trainer, signum: int | None) -> None:
         result = subprocess.call(["scontrol", "requeue", job_id])
     except OSError as err:  # no scontrol on this node's PATH
         result = err.strerror
-    print(f"lit-titan: scontrol requeue {job_id}: " + ("requeued" if result == 0 else f"failed ({result})"),
-          file=sys.stderr, flush=True)
+    print(
+        f"lit-titan: scontrol requeue {job_id}: " + ("requeued" if result == 0 else f"failed ({result})"),
+        file=sys.stderr,
+        flush=True,
+    )

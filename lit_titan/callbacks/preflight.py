@@ -29,9 +29,18 @@ __all__ = ["Preflight"]
 class Preflight(L.Callback):
     """Runs the diagnostics in ``setup`` (process group up, nothing built) and acts on them."""
 
-    def __init__(self, run_dir: str, action: str = "warn", threshold: float = 0.5, expected_tflops: float | None = None,
-                 slow_rank: int | None = None, slow_factor: float = 4.0, only: bool = False,
-                 slow_link: str | None = None, confirm: int = 2) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        action: str = "warn",
+        threshold: float = 0.5,
+        expected_tflops: float | None = None,
+        slow_rank: int | None = None,
+        slow_factor: float = 4.0,
+        only: bool = False,
+        slow_link: str | None = None,
+        confirm: int = 2,
+    ) -> None:
         self.run_dir, self.action, self.threshold, self.only = Path(run_dir), action, threshold, only
         self.expected_tflops, self.slow_rank, self.slow_factor = expected_tflops, slow_rank, slow_factor
         self.slow_link, self.confirm = slow_link, confirm
@@ -48,8 +57,15 @@ class Preflight(L.Callback):
         node_links = node_groups(node_of, trainer.strategy.root_device.type)
 
         def round_() -> list[Any]:
-            mine = measure(mesh, trainer.strategy.root_device, slow_factor=slow, slow_link=self.slow_link,
-                           node=node_of[dist.get_rank()], node_links=node_links, node_of=node_of)
+            mine = measure(
+                mesh,
+                trainer.strategy.root_device,
+                slow_factor=slow,
+                slow_link=self.slow_link,
+                node=node_of[dist.get_rank()],
+                node_links=node_links,
+                node_of=node_of,
+            )
             records: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(records, mine)
             return records
@@ -62,18 +78,31 @@ class Preflight(L.Callback):
             records = best_of(records, round_())
             found, medians = judge(records, self.threshold)
             rounds += 1
-        self.result = {"ranks": records, "medians": medians, "threshold": self.threshold, "found": found,
-                       "expected_tflops": self.expected_tflops, "action": self.action, "rounds": rounds,
-                       "nodes": len(set(node_of)), "seconds": time.perf_counter() - t0}
-        line = (f"preflight: {'; '.join(found)}" if found else
-                f"preflight: {len(records)} ranks ok (matmul median {medians['tflops']:.4g} TFLOP/s"
-                + (f", profile peak {self.expected_tflops:.4g}" if self.expected_tflops else "") + ")")
+        self.result = {
+            "ranks": records,
+            "medians": medians,
+            "threshold": self.threshold,
+            "found": found,
+            "expected_tflops": self.expected_tflops,
+            "action": self.action,
+            "rounds": rounds,
+            "nodes": len(set(node_of)),
+            "seconds": time.perf_counter() - t0,
+        }
+        line = (
+            f"preflight: {'; '.join(found)}"
+            if found
+            else f"preflight: {len(records)} ranks ok (matmul median {medians['tflops']:.4g} TFLOP/s"
+            + (f", profile peak {self.expected_tflops:.4g}" if self.expected_tflops else "")
+            + ")"
+        )
         if trainer.global_rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "preflight.json").write_text(json.dumps(self.result, indent=1))
         if found and self.action == "stop":
-            raise PreflightError(f"{line}; preflight.action=stop: nothing trained (details: "
-                                 f"{self.run_dir / 'preflight.json'})")
+            raise PreflightError(
+                f"{line}; preflight.action=stop: nothing trained (details: {self.run_dir / 'preflight.json'})"
+            )
         if trainer.global_rank == 0:
             print(line, flush=True)
         if self.only:

@@ -34,8 +34,9 @@ __all__ = ["Profiler", "profile_windows"]
 log = logging.getLogger(__name__)
 
 
-def profile_windows(max_steps: int, steps: list[int] | None, every_n_steps: int | None,
-                    active: int) -> list[tuple[int, int]]:
+def profile_windows(
+    max_steps: int, steps: list[int] | None, every_n_steps: int | None, active: int
+) -> list[tuple[int, int]]:
     """The ``(first, last)`` optimizer steps to profile, checked against the run's ``max_steps``.
 
     Raises ValueError naming the setting when a window lies outside ``1..max_steps``.
@@ -44,18 +45,24 @@ def profile_windows(max_steps: int, steps: list[int] | None, every_n_steps: int 
         raise ValueError("callbacks.profiler: set steps=[FIRST,LAST] or every_n_steps=N, not both")
     if steps is not None:
         if len(steps) != 2 or not all(isinstance(s, int) for s in steps) or not 1 <= steps[0] <= steps[1]:
-            raise ValueError(f"callbacks.profiler.steps={list(steps)} must be [FIRST,LAST] optimizer steps with "
-                             f"1 <= FIRST <= LAST, e.g. callbacks.profiler.steps=[3,4]")
+            raise ValueError(
+                f"callbacks.profiler.steps={list(steps)} must be [FIRST,LAST] optimizer steps with "
+                f"1 <= FIRST <= LAST, e.g. callbacks.profiler.steps=[3,4]"
+            )
         if max_steps > 0 and steps[1] > max_steps:
-            raise ValueError(f"callbacks.profiler.steps={list(steps)} ends after the run's last step "
-                             f"(trainer.max_steps={max_steps}); choose steps within 1..{max_steps}")
+            raise ValueError(
+                f"callbacks.profiler.steps={list(steps)} ends after the run's last step "
+                f"(trainer.max_steps={max_steps}); choose steps within 1..{max_steps}"
+            )
         return [(int(steps[0]), int(steps[1]))]
     if every_n_steps is not None:
         if every_n_steps < 1 or active < 1:
             raise ValueError("callbacks.profiler.every_n_steps and callbacks.profiler.active must be >= 1")
         if max_steps > 0 and every_n_steps + active - 1 > max_steps:
-            raise ValueError(f"callbacks.profiler.every_n_steps={every_n_steps} never profiles a whole window "
-                             f"within trainer.max_steps={max_steps}; use a smaller every_n_steps")
+            raise ValueError(
+                f"callbacks.profiler.every_n_steps={every_n_steps} never profiles a whole window "
+                f"within trainer.max_steps={max_steps}; use a smaller every_n_steps"
+            )
         last = max_steps if max_steps > 0 else 10**9
         return [(s, s + active - 1) for s in range(every_n_steps, last - active + 2, every_n_steps)]
     raise ValueError("callbacks.profiler needs steps=[FIRST,LAST] or every_n_steps=N")
@@ -75,9 +82,19 @@ class Profiler(L.Callback):
         run_dir: where ``profile/`` goes (None: the run directory).
     """
 
-    def __init__(self, steps: list[int] | None = None, every_n_steps: int | None = None, active: int = 2,
-                 warmup: int = 1, record_shapes: bool = False, with_stack: bool = False, profile_memory: bool = False,
-                 memory_snapshot: bool = True, oom_snapshot: bool = True, run_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        steps: list[int] | None = None,
+        every_n_steps: int | None = None,
+        active: int = 2,
+        warmup: int = 1,
+        record_shapes: bool = False,
+        with_stack: bool = False,
+        profile_memory: bool = False,
+        memory_snapshot: bool = True,
+        oom_snapshot: bool = True,
+        run_dir: str | None = None,
+    ) -> None:
         self.steps = list(steps) if steps is not None else None
         self.every_n_steps = every_n_steps
         self.active = int(active)
@@ -101,16 +118,20 @@ class Profiler(L.Callback):
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._windows = [w for w in profile_windows(trainer.max_steps, self.steps, self.every_n_steps, self.active)
-                         if w[1] > trainer.global_step]  # a resumed run skips windows already past
+        self._windows = [
+            w
+            for w in profile_windows(trainer.max_steps, self.steps, self.every_n_steps, self.active)
+            if w[1] > trainer.global_step
+        ]  # a resumed run skips windows already past
         self._rank = trainer.global_rank
         self._root = Path(self.run_dir or trainer.default_root_dir).expanduser()
         self._cuda = trainer.strategy.root_device.type == "cuda"
         if self._cuda and self.oom_snapshot:
             self._watch_oom()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._prof is not None or not self._windows:
             return
         upcoming = trainer.global_step + 1  # the optimizer step this batch belongs to
@@ -120,8 +141,9 @@ class Profiler(L.Callback):
         self._prev_global_step = trainer.global_step
         self._start((first, last), warmup=max(0, first - upcoming))
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._prof is None or self._window is None:
             return
         if trainer.global_step == self._prev_global_step:  # inside an accumulation window: not a step yet
@@ -143,10 +165,14 @@ class Profiler(L.Callback):
 
         self._window = window
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
-        self._prof = profile(activities=activities,
-                             schedule=schedule(wait=0, warmup=warmup, active=window[1] - window[0] + 1, repeat=1),
-                             on_trace_ready=self._export, record_shapes=self.record_shapes,
-                             with_stack=self.with_stack, profile_memory=self.profile_memory)
+        self._prof = profile(
+            activities=activities,
+            schedule=schedule(wait=0, warmup=warmup, active=window[1] - window[0] + 1, repeat=1),
+            on_trace_ready=self._export,
+            record_shapes=self.record_shapes,
+            with_stack=self.with_stack,
+            profile_memory=self.profile_memory,
+        )
         self._prof.start()
         if self._cuda and self.memory_snapshot:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
@@ -187,7 +213,9 @@ class Profiler(L.Callback):
             path = root / "memory" / f"oom-rank-{rank}.pickle"
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(path))
-            log.error(f"lit-titan: CUDA out of memory on rank {rank}; allocator snapshot in {path} "
-                      f"(open it at https://pytorch.org/memory_viz)")
+            log.error(
+                f"lit-titan: CUDA out of memory on rank {rank}; allocator snapshot in {path} "
+                f"(open it at https://pytorch.org/memory_viz)"
+            )
 
         torch._C._cuda_attach_out_of_memory_observer(dump)

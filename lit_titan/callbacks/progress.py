@@ -77,8 +77,9 @@ class StepProgressBar(TQDMProgressBar):
         bar.initial = bar.n = trainer.global_step
         bar.refresh()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step == self._last_step:  # a micro-batch of gradient accumulation: no optimizer step yet
             return
@@ -91,8 +92,13 @@ class StepProgressBar(TQDMProgressBar):
         done = step - self._step0
         tokens_per_s = done * getattr(pl_module, "_tokens_per_step", 0) / elapsed if elapsed > 0 else 0.0
         if self.plain:
-            print(self.plain_line(step, trainer.max_steps, None if loss is None else float(loss), tokens_per_s,
-                                  elapsed, done), file=self._file or sys.stdout, flush=True)
+            print(
+                self.plain_line(
+                    step, trainer.max_steps, None if loss is None else float(loss), tokens_per_s, elapsed, done
+                ),
+                file=self._file or sys.stdout,
+                flush=True,
+            )
             return
         bar = self.train_progress_bar
         bar.n = step
@@ -105,8 +111,9 @@ class StepProgressBar(TQDMProgressBar):
         pass  # the postfix set at the last step stays (the parent's would add every logged metric)
 
     @staticmethod
-    def plain_line(step: int, max_steps: int | None, loss: float | None, tokens_per_s: float, elapsed: float,
-                   steps_done: int) -> str:
+    def plain_line(
+        step: int, max_steps: int | None, loss: float | None, tokens_per_s: float, elapsed: float, steps_done: int
+    ) -> str:
         """``step 37/100 | loss 5.1234 | 3,110 tokens/s | elapsed 0:00:12 | remaining 0:00:21``."""
         parts = [f"step {step}/{max_steps}" if max_steps and max_steps > 0 else f"step {step}"]
         if loss is not None:

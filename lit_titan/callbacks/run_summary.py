@@ -34,8 +34,13 @@ class RunSummary(L.Callback):
     (the final checkpoint, the CSV logger's last flush): never a directory that will not be there.
     """
 
-    def __init__(self, run_dir: str | None = None, continue_command: str | None = None,
-                 tensorboard_dir: str | None = None, checkpoint_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | None = None,
+        continue_command: str | None = None,
+        tensorboard_dir: str | None = None,
+        checkpoint_dir: str | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.continue_command = continue_command
         self.tensorboard_dir = tensorboard_dir
@@ -83,29 +88,37 @@ class RunSummary(L.Callback):
         s = self.summary
         if s.get("final_loss") is None:
             return [f"lit-titan: done; outputs in {self.run_dir}"]
-        figures = (f"{s['steps']} steps, {s['tokens']:,} tokens, final train/loss {s['final_loss']:.4f}, "
-                   f"{s['tokens_per_second'] or 0:,} tokens/s over {s['train_seconds']} s")
+        figures = (
+            f"{s['steps']} steps, {s['tokens']:,} tokens, final train/loss {s['final_loss']:.4f}, "
+            f"{s['tokens_per_second'] or 0:,} tokens/s over {s['train_seconds']} s"
+        )
         if s.get("mfu") is not None:
             figures += f", MFU {100 * s['mfu']:.1f}%"
-        out = [f"lit-titan: {figures}",
-               f"lit-titan: outputs in {self.run_dir} ({', '.join(self.outputs())})",
-               f"lit-titan: see the metrics: {shlex.join(['lit-titan', 'report', str(self.run_dir)])}  "
-               f"(writes report.html there)"]
+        out = [
+            f"lit-titan: {figures}",
+            f"lit-titan: outputs in {self.run_dir} ({', '.join(self.outputs())})",
+            f"lit-titan: see the metrics: {shlex.join(['lit-titan', 'report', str(self.run_dir)])}  "
+            f"(writes report.html there)",
+        ]
         if self.tensorboard_dir and Path(self.tensorboard_dir).is_dir():
             out.append(f"lit-titan: TensorBoard: {shlex.join(['tensorboard', '--logdir', str(self.tensorboard_dir)])}")
         if self.continue_command:
             more = f"{s['steps']} more step" + ("s" if s["steps"] != 1 else "")
             out.append(f"lit-titan: train {more} from the last checkpoint: {self.continue_command}")
             if MASK in self.continue_command:
-                out.append(f"lit-titan: credentials are shown as {MASK} (never printed or written): put them back, or "
-                           "drop them and set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (W&B: "
-                           "WANDB_API_KEY) in the environment (docs/data.md)")
+                out.append(
+                    f"lit-titan: credentials are shown as {MASK} (never printed or written): put them back, or "
+                    "drop them and set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (W&B: "
+                    "WANDB_API_KEY) in the environment (docs/data.md)"
+                )
         return out
 
     def outputs(self) -> list[str]:
         """The run directory's outputs, as named on the summary line."""
         run = Path(self.run_dir or ".")
-        names = ["metrics.csv"]  # the CSV logger every run has (train.build_loggers) writes it at the latest on teardown
+        names = [
+            "metrics.csv"
+        ]  # the CSV logger every run has (train.build_loggers) writes it at the latest on teardown
         names += ["config.yaml"] if (run / "config.yaml").is_file() else []
         names += [f"{Path(self.checkpoint_dir).name}/"] if self.checkpoint_dir else []  # the last is saved after us
         tb = Path(self.tensorboard_dir) if self.tensorboard_dir else None

@@ -58,8 +58,12 @@ def straggler_stats(step_s: list[float], outside_s: list[float]) -> dict[str, fl
     slowest = max(range(len(own)), key=lambda r: (own[r], -r))  # ties: the lowest rank
     median = statistics.median(own)
     ratio = own[slowest] / median if median > 0 else float("inf")
-    return {"slowest_rank": float(slowest), "slowest_step_s": own[slowest], "median_step_s": median,
-            "ratio_to_median": ratio}
+    return {
+        "slowest_rank": float(slowest),
+        "slowest_step_s": own[slowest],
+        "median_step_s": median,
+        "ratio_to_median": ratio,
+    }
 
 
 class StragglerReport(L.Callback):
@@ -105,15 +109,17 @@ class StragglerReport(L.Callback):
         self._restart_clock(None)
         self._prev_global_step = trainer.global_step
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._logged:
             forget_logged(trainer, "straggler/")
             self._logged = False
         self._t_batch_start, self._t_forward = time.perf_counter(), None
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         now = time.perf_counter()
         if self._t_prev_end is not None and self._t_batch_start is not None:
             self._outside += (self._t_forward or self._t_batch_start) - self._t_prev_end
@@ -142,8 +148,7 @@ class StragglerReport(L.Callback):
         if not trainer.sanity_checking and self._t_prev_end is not None:
             self._restart_clock(time.perf_counter())
 
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._discard = True  # the save runs between this step's end and the next step's forward
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -172,7 +177,7 @@ class StragglerReport(L.Callback):
         timeline = next((cb for cb in trainer.callbacks if isinstance(cb, Timeline)), None)
         if timeline is None:
             return [0.0] * len(PHASES)
-        rows = timeline.rows[self._timeline_seen:]
+        rows = timeline.rows[self._timeline_seen :]
         self._timeline_seen = len(timeline.rows)
         if not rows:
             return [0.0] * len(PHASES)
@@ -180,9 +185,11 @@ class StragglerReport(L.Callback):
 
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         n = self._n
-        local = torch.tensor([self._sum_step / max(n, 1), self._sum_outside / max(n, 1), float(n),
-                              *self._timeline_phases(trainer)],
-                             dtype=torch.float64, device=trainer.strategy.root_device)
+        local = torch.tensor(
+            [self._sum_step / max(n, 1), self._sum_outside / max(n, 1), float(n), *self._timeline_phases(trainer)],
+            dtype=torch.float64,
+            device=trainer.strategy.root_device,
+        )
         self._reset_window()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
@@ -197,8 +204,13 @@ class StragglerReport(L.Callback):
         step_s = [r[0] for r in rows]
         outside_s = [r[1] for r in rows]
         stats = straggler_stats(step_s, outside_s)
-        self.last = {**stats, "global_step": trainer.global_step, "step_s": step_s, "outside_s": outside_s,
-                     "phases": phases}
+        self.last = {
+            **stats,
+            "global_step": trainer.global_step,
+            "step_s": step_s,
+            "outside_s": outside_s,
+            "phases": phases,
+        }
         for key, value in stats.items():
             pl_module.log(f"straggler/{key}", value, on_step=True, on_epoch=False)
         self._logged = True
@@ -209,14 +221,17 @@ class StragglerReport(L.Callback):
                 f"(to global_step {trainer.global_step}): {stats['slowest_step_s']:.3f} s/step vs median "
                 f"{stats['median_step_s']:.3f} s ({stats['ratio_to_median']:.2f}x > warn_ratio {self.warn_ratio:g}); "
                 f"it spends {outside_s[slowest]:.3f} s/step outside the model (data loading, host work) vs "
-                f"{statistics.median(outside_s):.3f} s median{_phase_excess(phases, slowest)}")
+                f"{statistics.median(outside_s):.3f} s median{_phase_excess(phases, slowest)}"
+            )
 
 
 def _phase_excess(phases: list[dict[str, float]], rank: int) -> str:
-    """"; timeline: most over the median in <phase> (+X s/step)" for ``rank``, or "" without a timeline."""
+    """ "; timeline: most over the median in <phase> (+X s/step)" for ``rank``, or "" without a timeline."""
     if not any(any(p.values()) for p in phases):
         return ""
     excess = {name: phases[rank][name] - statistics.median(p[name] for p in phases) for name in PHASES}
     name = max(excess, key=excess.get)
-    return (f"; timeline: its phase furthest over the median is {name} (+{excess[name]:.3f} s/step, "
-            f"{phases[rank][name]:.3f} vs {statistics.median(p[name] for p in phases):.3f} s)")
+    return (
+        f"; timeline: its phase furthest over the median is {name} (+{excess[name]:.3f} s/step, "
+        f"{phases[rank][name]:.3f} vs {statistics.median(p[name] for p in phases):.3f} s)"
+    )

@@ -82,12 +82,14 @@ class ThroughputMonitor(L.Callback):
         self._prev_global_step = trainer.global_step
         self._window_tokens = self._window_steps = 0
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         forget_logged(trainer, "perf/")  # logged at the previous logging step; its row is written
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         tokens = batch_tokens(batch)  # shapes only: no device access
         if tokens is not None:
             self._window_tokens += tokens[0] * tokens[1]
@@ -127,8 +129,12 @@ class ThroughputMonitor(L.Callback):
             values["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / _GIB
             values["max_memory_reserved_gib"] = torch.cuda.max_memory_reserved(pl_module.device) / _GIB
         # per-step means over the window
-        self.last = {**values, "step_seconds": seconds / window_steps, "global_tokens": global_tokens / window_steps,
-                     "window_steps": float(window_steps)}
+        self.last = {
+            **values,
+            "step_seconds": seconds / window_steps,
+            "global_tokens": global_tokens / window_steps,
+            "window_steps": float(window_steps),
+        }
         for key, value in values.items():
             pl_module.log(f"perf/{key}", float(value), on_step=True, on_epoch=False)
 

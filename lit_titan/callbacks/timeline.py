@@ -63,8 +63,9 @@ class Timeline(L.Callback):
         self.clock = PhaseClock(device)
         pl_module.phase_clock = self.clock
         self._pipeline = contract(trainer.strategy).backward_in_training_step
-        self.path = Path(self.run_dir or trainer.default_root_dir).expanduser() / "timeline" / \
-            f"rank-{trainer.global_rank}.csv"
+        self.path = (
+            Path(self.run_dir or trainer.default_root_dir).expanduser() / "timeline" / f"rank-{trainer.global_rank}.csv"
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self.path.is_file():  # a resumed run appends to its earlier attempt's rows
             with open(self.path, "w", newline="") as f:
@@ -77,8 +78,9 @@ class Timeline(L.Callback):
         self.clock.start()
         self.clock.begin("data")
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # "data" runs on to the module's forward (host work in batch-start hooks counts as waiting,
         # as in the straggler report); the pipeline schedule calls its stages instead: start here.
         if self.clock is not None and self._pipeline:
@@ -106,8 +108,9 @@ class Timeline(L.Callback):
             self.clock.end("pipeline")
             self.clock.begin("optimizer")
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         clock = self.clock
         if clock is None:
             return

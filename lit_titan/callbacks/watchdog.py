@@ -76,9 +76,16 @@ class Watchdog(L.Callback):
             ``faulthandler.dump_traceback_later``, of which a process has one).
     """
 
-    def __init__(self, timeout_s: float = 600.0, first_step_timeout_s: float | None = None,
-                 run_dir: str | None = None, exit_code: int = WATCHDOG_EXIT_CODE, exit_delay_s: float = 10.0,
-                 poll_interval_s: float | None = None, backstop_s: float | None = 60.0) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 600.0,
+        first_step_timeout_s: float | None = None,
+        run_dir: str | None = None,
+        exit_code: int = WATCHDOG_EXIT_CODE,
+        exit_delay_s: float = 10.0,
+        poll_interval_s: float | None = None,
+        backstop_s: float | None = 60.0,
+    ) -> None:
         if timeout_s <= 0 or (first_step_timeout_s is not None and first_step_timeout_s <= 0):
             raise ValueError("Watchdog timeouts must be > 0 seconds")
         if exit_code == 0:
@@ -136,23 +143,30 @@ class Watchdog(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.beat("train epoch start", trainer.global_step)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._first_step_done = True
         self.beat("train batch end", trainer.global_step)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.beat("validation start", trainer.global_step)
 
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self.beat("validation batch end", trainer.global_step)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.beat("validation end", trainer.global_step)
 
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         self.beat("checkpoint save start", trainer.global_step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -169,8 +183,7 @@ class Watchdog(L.Callback):
         """Start (or restart) the watching thread; called by ``on_train_start``."""
         self.stop()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, args=(self._stop,), name="lit-titan-watchdog",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(self._stop,), name="lit-titan-watchdog", daemon=True)
         _ACTIVE.add(self)
         self._thread.start()
 
@@ -222,9 +235,11 @@ class Watchdog(L.Callback):
             _stderr(f"lit-titan watchdog: rank {self.rank}: could not write stacks ({err!r}); dumping to stderr")
             faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
         where = f"stacks in {stacks}" if stacks else "stacks on stderr"
-        _stderr(f"lit-titan watchdog: rank {self.rank} made no progress for {idle:.1f} s (timeout "
-                f"{self._deadline():g} s; last progress: {what} at global_step {step}); {where}; "
-                f"exiting with code {self.exit_code} in {self.exit_delay_s:g} s")
+        _stderr(
+            f"lit-titan watchdog: rank {self.rank} made no progress for {idle:.1f} s (timeout "
+            f"{self._deadline():g} s; last progress: {what} at global_step {step}); {where}; "
+            f"exiting with code {self.exit_code} in {self.exit_delay_s:g} s"
+        )
         self._exit()
 
     def _exit(self) -> None:
@@ -238,9 +253,12 @@ class Watchdog(L.Callback):
         stacks = self.hang_dir / f"stacks-rank{self.rank}.txt"
         names = {t.ident: t.name for t in threading.enumerate()}
         with open(stacks, "w") as f:
-            f.write(f"# lit-titan watchdog: rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}), no progress "
-                    f"for {idle:.1f} s; last progress: {what} at global_step {step}\n# threads: "
-                    + ", ".join(f"{ident:#x} = {name}" for ident, name in names.items()) + "\n\n")
+            f.write(
+                f"# lit-titan watchdog: rank {self.rank} (pid {os.getpid()}, {socket.gethostname()}), no progress "
+                f"for {idle:.1f} s; last progress: {what} at global_step {step}\n# threads: "
+                + ", ".join(f"{ident:#x} = {name}" for ident, name in names.items())
+                + "\n\n"
+            )
             f.flush()
             # faulthandler first: it needs no locks, so it works even if formatting below would not.
             faulthandler.dump_traceback(file=f, all_threads=True)
@@ -251,10 +269,20 @@ class Watchdog(L.Callback):
         from lit_titan.observe import flight_recorder
 
         trace, last = flight_recorder.dump(self.hang_dir, self.rank)
-        info = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "global_step": step,
-                "last_progress": what, "seconds_since_progress": round(idle, 3), "timeout_s": self._deadline(),
-                "exit_code": self.exit_code, "stacks": str(stacks), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "flight_recorder": str(trace) if trace else None, "last_collectives": last}
+        info = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "global_step": step,
+            "last_progress": what,
+            "seconds_since_progress": round(idle, 3),
+            "timeout_s": self._deadline(),
+            "exit_code": self.exit_code,
+            "stacks": str(stacks),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "flight_recorder": str(trace) if trace else None,
+            "last_collectives": last,
+        }
         (self.hang_dir / f"rank{self.rank}.json").write_text(json.dumps(info, indent=1) + "\n")
         return stacks
 

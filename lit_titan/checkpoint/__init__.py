@@ -12,5 +12,15 @@ from lit_titan.checkpoint.layout import (
 )
 from lit_titan.checkpoint.writer import CheckpointWriter, load_sharded
 
-__all__ = ["CheckpointError", "CheckpointWriter", "latest_valid", "load_sharded", "partial_path", "prune",
-           "published", "set_aside", "step_dir_name", "validate"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointWriter",
+    "latest_valid",
+    "load_sharded",
+    "partial_path",
+    "prune",
+    "published",
+    "set_aside",
+    "step_dir_name",
+    "validate",
+]

@@ -17,8 +17,16 @@ import torch
 from lit_titan.checkpoint.layout import META_FILE, CheckpointError
 
 KEY = "lit_titan_run"
-_MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
-               "tie_embeddings")
+_MODEL_KEYS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "multiple_of",
+    "ffn_dim_multiplier",
+    "tie_embeddings",
+)
 
 
 def fingerprint(args: Any, seq_len: int) -> dict[str, Any]:
@@ -40,6 +48,8 @@ def check_compatible(ckpt: Path, expected: dict[str, Any]) -> None:
         return
     for key, value in expected.items():
         if key in saved and saved[key] != value:
-            raise CheckpointError(f"{key}={value}: the checkpoint {ckpt.name} ({ckpt}) was saved with "
-                                  f"{key}={saved[key]}; resume with {key}={saved[key]}, or train this model "
-                                  f"from scratch in a new run_dir without resume")
+            raise CheckpointError(
+                f"{key}={value}: the checkpoint {ckpt.name} ({ckpt}) was saved with "
+                f"{key}={saved[key]}; resume with {key}={saved[key]}, or train this model "
+                f"from scratch in a new run_dir without resume"
+            )

@@ -32,8 +32,9 @@ from lit_titan.checkpoint.staging import local_bytes, local_tensors
 # writes an RNG file (16 KB) and rank 0 meta.pt (a few KB: loops, scheduler, data position).
 TENSOR_OVERHEAD = 4096
 PER_RANK_OVERHEAD = 1 << 20
-SETTINGS_HINT = ("lower checkpoint.keep_last, raise checkpoint.every_n_steps, or set run_dir to a filesystem "
-                 "with more free space")
+SETTINGS_HINT = (
+    "lower checkpoint.keep_last, raise checkpoint.every_n_steps, or set run_dir to a filesystem with more free space"
+)
 
 
 def checkpoint_disk_bytes(tensor_bytes: int, n_tensors: int, world_size: int) -> int:
@@ -118,10 +119,14 @@ def plan_save(directory: Path, name: str, ckpt_bytes: int, keep_last: int) -> Sa
         return SavePlan(name, prune)
     kept = [p for p in complete if p not in prune]
     newest = f"; the newest complete checkpoint {complete[-1].name} is kept" if complete else ""
-    return SavePlan(name, error=(
-        f"checkpoint {name} does not fit in {directory}: it needs {fmt(ckpt_bytes)}, {fmt(free)} free"
-        + (f" (+{fmt(freed)} from pruning to checkpoint.keep_last={keep_last})" if freed else "")
-        + f" with {len(kept)} complete checkpoint(s) kept{newest}; {SETTINGS_HINT}"))
+    return SavePlan(
+        name,
+        error=(
+            f"checkpoint {name} does not fit in {directory}: it needs {fmt(ckpt_bytes)}, {fmt(free)} free"
+            + (f" (+{fmt(freed)} from pruning to checkpoint.keep_last={keep_last})" if freed else "")
+            + f" with {len(kept)} complete checkpoint(s) kept{newest}; {SETTINGS_HINT}"
+        ),
+    )
 
 
 def remove(paths: Iterable[Path]) -> None:
@@ -140,8 +145,15 @@ def planned_saves(start_step: int, max_steps: int, every_n_steps: int) -> int | 
     return periodic + final
 
 
-def preflight_error(directory: Path, ckpt_bytes: int, state_bytes: int, world_size: int, keep_last: int,
-                    every_n_steps: int, n_saves: int | None) -> str | None:
+def preflight_error(
+    directory: Path,
+    ckpt_bytes: int,
+    state_bytes: int,
+    world_size: int,
+    keep_last: int,
+    every_n_steps: int,
+    n_saves: int | None,
+) -> str | None:
     """Whether this run's checkpoints fit next to what is already in ``directory`` (None) or why not.
 
     At its peak the run holds ``min(saves, max(keep_last, 2))`` new checkpoints (``keep_last=1``:
@@ -160,8 +172,14 @@ def preflight_error(directory: Path, ckpt_bytes: int, state_bytes: int, world_si
     free = free_bytes(directory)
     if free + freed >= need:
         return None
-    held = (f"checkpoint.keep_last={keep_last} holds up to {new} at once" if keep_last > 0 else
-            f"checkpoint.keep_last=0 keeps all {new} saves of checkpoint.every_n_steps={every_n_steps}")
-    return (f"checkpoints will not fit in {directory}: each needs {fmt(ckpt_bytes)} ({fmt(state_bytes)} of model "
-            f"and optimizer state over {world_size} rank(s)) and {held}: {fmt(need)} needed, {fmt(free)} free"
-            + (f" (+{fmt(freed)} of older checkpoints pruned)" if freed else "") + f"; {SETTINGS_HINT}")
+    held = (
+        f"checkpoint.keep_last={keep_last} holds up to {new} at once"
+        if keep_last > 0
+        else f"checkpoint.keep_last=0 keeps all {new} saves of checkpoint.every_n_steps={every_n_steps}"
+    )
+    return (
+        f"checkpoints will not fit in {directory}: each needs {fmt(ckpt_bytes)} ({fmt(state_bytes)} of model "
+        f"and optimizer state over {world_size} rank(s)) and {held}: {fmt(need)} needed, {fmt(free)} free"
+        + (f" (+{fmt(freed)} of older checkpoints pruned)" if freed else "")
+        + f"; {SETTINGS_HINT}"
+    )

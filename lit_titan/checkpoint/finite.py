@@ -16,7 +16,6 @@ whose squares overflow are not refused).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch

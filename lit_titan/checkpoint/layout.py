@@ -137,11 +137,19 @@ def read_plain(value: io.BytesIO, entry: str, where: Path | str) -> Any:
     try:
         return torch.load(value, weights_only=True, map_location="cpu")
     except Exception as err:  # weights_only refuses any global it does not know, before calling it
-        reason = next((line.strip().rstrip(".") for line in str(err).splitlines()
-                       if "unsupported" in line.lower() or "GLOBAL" in line), _first_line(err))
-        raise CheckpointError(f"{where}: entry {entry} holds more than tensors and plain data ({reason}); "
-                              "refused unloaded (loading never runs code from a checkpoint): use a checkpoint "
-                              "this program wrote") from None
+        reason = next(
+            (
+                line.strip().rstrip(".")
+                for line in str(err).splitlines()
+                if "unsupported" in line.lower() or "GLOBAL" in line
+            ),
+            _first_line(err),
+        )
+        raise CheckpointError(
+            f"{where}: entry {entry} holds more than tensors and plain data ({reason}); "
+            "refused unloaded (loading never runs code from a checkpoint): use a checkpoint "
+            "this program wrote"
+        ) from None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -218,8 +226,10 @@ def verify_checksums(ckpt: Path) -> bool:
         except OSError as err:  # missing, or set aside by another process of this job meanwhile
             raise CheckpointError(f"{ckpt}/{name} cannot be read ({_first_line(err)})") from None
         if actual != expected:
-            raise CheckpointError(f"{ckpt}/{name} does not match its checksum (the file changed after it was "
-                                  "written: storage corruption or an edit)")
+            raise CheckpointError(
+                f"{ckpt}/{name} does not match its checksum (the file changed after it was "
+                "written: storage corruption or an edit)"
+            )
     return True
 
 
@@ -253,8 +263,9 @@ def validate(ckpt: Path, *, staged: bool = False, verify: bool = False) -> None:
         if sizes[name] < 0:
             raise CheckpointError(f"{ckpt} is missing the shard file {name}")
         if info.offset + info.length > sizes[name]:
-            raise CheckpointError(f"{ckpt}/{name} is truncated ({sizes[name]} bytes, the metadata needs "
-                                  f"{info.offset + info.length})")
+            raise CheckpointError(
+                f"{ckpt}/{name} is truncated ({sizes[name]} bytes, the metadata needs {info.offset + info.length})"
+            )
     if verify:  # before reading any entry: a flipped bit is named as such, not as a bad entry
         verify_checksums(ckpt)
     _check_plain_entries(ckpt, metadata)
@@ -270,8 +281,10 @@ def _check_plain_entries(ckpt: Path, metadata: dcp_metadata.Metadata) -> None:
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), dcp_metadata.BytesStorageMetadata):
             continue
         if getattr(info, "transform_descriptors", None):  # compression etc.: lit-titan never writes them
-            raise CheckpointError(f"{ckpt}: entry {index.fqn} is stored with transforms "
-                                  f"{list(info.transform_descriptors)}, which lit-titan does not write")
+            raise CheckpointError(
+                f"{ckpt}: entry {index.fqn} is stored with transforms "
+                f"{list(info.transform_descriptors)}, which lit-titan does not write"
+            )
         with open(ckpt / str(info.relative_path), "rb") as f:
             f.seek(info.offset)
             raw = f.read(info.length)

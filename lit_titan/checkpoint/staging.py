@@ -95,8 +95,9 @@ class PinnedStager(AsyncStager):
             return tuple(self._stage(v, (*path, i), buffers, devices) for i, v in enumerate(obj))
         return obj  # ints, floats, strings: immutable
 
-    def _copy(self, src: torch.Tensor, path: Path_, buffers: dict[Path_, torch.Tensor],
-              devices: set[torch.device]) -> torch.Tensor:
+    def _copy(
+        self, src: torch.Tensor, path: Path_, buffers: dict[Path_, torch.Tensor], devices: set[torch.device]
+    ) -> torch.Tensor:
         on_cuda = src.device.type == "cuda"
         buf = self._buffers.get(path)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:

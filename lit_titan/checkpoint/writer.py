@@ -101,8 +101,9 @@ class _FileSystemWriter(FileSystemWriter):
     training loop: in an async save this is the background thread, and DCP gathers its errors like
     a write error)."""
 
-    def __init__(self, path: Path, hooks: list[WriteHook], prune: list[Path], state: dict[str, Any] | None = None,
-                 rank: int = 0) -> None:
+    def __init__(
+        self, path: Path, hooks: list[WriteHook], prune: list[Path], state: dict[str, Any] | None = None, rank: int = 0
+    ) -> None:
         super().__init__(str(path))
         self._staging, self._hooks, self._prune = path, list(hooks), list(prune)
         self._state, self._rank = state, rank
@@ -182,8 +183,9 @@ class CheckpointWriter:
         dist.all_gather_object(out, value, group=group)
         return out
 
-    def _agree(self, error: str | None, *, rank: int, cleanup: Path | None = None,
-               kind: type[Exception] = CheckpointError) -> None:
+    def _agree(
+        self, error: str | None, *, rank: int, cleanup: Path | None = None, kind: type[Exception] = CheckpointError
+    ) -> None:
         """Collective: if any rank has an error, every rank raises the first one (rank 0 removes ``cleanup``)."""
         failed = [e for e in self._gather(error) if e]
         if failed:
@@ -194,8 +196,16 @@ class CheckpointWriter:
             raise error
 
     # ---- preflight ------------------------------------------------------------------------------
-    def preflight(self, directory: Path, state: tuple[int, int], *, rank: int, world_size: int, every_n_steps: int,
-                  n_saves: int | None) -> None:
+    def preflight(
+        self,
+        directory: Path,
+        state: tuple[int, int],
+        *,
+        rank: int,
+        world_size: int,
+        every_n_steps: int,
+        n_saves: int | None,
+    ) -> None:
         """Collective, before training: stop on every rank if this run's checkpoints cannot fit on disk.
 
         ``state``: this rank's (tensor bytes, tensor count) per checkpoint (``disk.expected_state``).
@@ -204,16 +214,33 @@ class CheckpointWriter:
         error = None
         if rank == 0:
             try:
-                error = disk.preflight_error(directory, disk.checkpoint_disk_bytes(total, count, world_size), total,
-                                             world_size, self.keep_last, every_n_steps, n_saves)
+                error = disk.preflight_error(
+                    directory,
+                    disk.checkpoint_disk_bytes(total, count, world_size),
+                    total,
+                    world_size,
+                    self.keep_last,
+                    every_n_steps,
+                    n_saves,
+                )
             except OSError as err:
-                error = (f"cannot check free space for checkpoints in {directory}: {one_line(err, with_type=True)}; "
-                         "set run_dir")
+                error = (
+                    f"cannot check free space for checkpoints in {directory}: {one_line(err, with_type=True)}; "
+                    "set run_dir"
+                )
         self._agree(error, rank=rank)
 
     # ---- save -----------------------------------------------------------------------------------
-    def save(self, state: dict[str, Any], meta: dict[str, Any], final: Path, *, rank: int, world_size: int,
-             barrier: Callable[[], None] | None = None) -> None:
+    def save(
+        self,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        final: Path,
+        *,
+        rank: int,
+        world_size: int,
+        barrier: Callable[[], None] | None = None,
+    ) -> None:
         """Start saving ``state`` (DTensor state dicts) and ``meta`` as checkpoint ``final``.
 
         Returns once the state is staged (async) or written (sync); raises :class:`CheckpointError`
@@ -304,13 +331,18 @@ class CheckpointWriter:
         if agree:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             refused = err is not None and isinstance(_root_cause(err)[1], NonFiniteError)  # DCP told every rank
-            self._agree(str(_root_cause(err)[1]) if refused else error, rank=rank, cleanup=pending.staging,
-                        kind=NonFiniteError if refused else CheckpointError)
+            self._agree(
+                str(_root_cause(err)[1]) if refused else error,
+                rank=rank,
+                cleanup=pending.staging,
+                kind=NonFiniteError if refused else CheckpointError,
+            )
         elif error and not is_peer_failure(_root_cause(err)[1]):  # a dead peer: the command line's one line says it
             print(f"lit-titan: {error}", file=sys.stderr)
 
-    def _finish(self, upload: Future, finished: Future, staging: Path, final: Path, rank: int,
-                record: SaveRecord, start: float) -> None:
+    def _finish(
+        self, upload: Future, finished: Future, staging: Path, final: Path, rank: int, record: SaveRecord, start: float
+    ) -> None:
         """Runs when this rank's write is done (in the writing thread): rank 0 publishes."""
         try:
             upload.result()
@@ -338,7 +370,8 @@ class CheckpointWriter:
         # the disk's advice only for a disk error (or a write error with less free space than the checkpoint needs:
         # torch.save's RuntimeError on a full disk carries no errno)
         disk_full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
-            not isinstance(cause, OSError) and free_bytes is not None and free_bytes < need)
+            not isinstance(cause, OSError) and free_bytes is not None and free_bytes < need
+        )
         failed = f"checkpoint {final.name} {what}{where} ({one_line(cause, with_type=True)})"
         if not disk_full:
             return f"{failed}; {kept}"
@@ -349,9 +382,11 @@ class CheckpointWriter:
         """One line for a failed copy into host memory: nothing was written, the disk is not the cause."""
         previous = published(final.parent)
         kept = f"the previous complete checkpoint {previous[-1].name} is kept" if previous else "no earlier checkpoint"
-        return (f"checkpoint {final.name} could not be staged on rank {rank} ({one_line(err, with_type=True)}); "
-                f"its copy of the state needs {disk.fmt(mine)} of host memory; {kept}; free host memory on that node "
-                "or set checkpoint.async_save=false (writes from the live state, no copy)")
+        return (
+            f"checkpoint {final.name} could not be staged on rank {rank} ({one_line(err, with_type=True)}); "
+            f"its copy of the state needs {disk.fmt(mine)} of host memory; {kept}; free host memory on that node "
+            "or set checkpoint.async_save=false (writes from the live state, no copy)"
+        )
 
     def _run_hooks(self, staging: Path) -> None:
         for hook in self.on_write_started:
@@ -372,8 +407,10 @@ def _nonfinite_message(staging: Path, key: str, rank: int) -> str:
     final = staging.name.removesuffix(".partial")
     previous = published(staging.parent)
     kept = f"every complete checkpoint is kept (newest {previous[-1].name})" if previous else "no earlier checkpoint"
-    return (f"checkpoint {final} not written: the state is not finite ({key} holds NaN/Inf on rank {rank}); nothing "
-            f"was pruned, {kept}; resume=auto from it with a lower optim.lr, and keep nonfinite.enabled=true")
+    return (
+        f"checkpoint {final} not written: the state is not finite ({key} holds NaN/Inf on rank {rank}); nothing "
+        f"was pruned, {kept}; resume=auto from it with a lower optim.lr, and keep nonfinite.enabled=true"
+    )
 
 
 def _root_cause(err: BaseException) -> tuple[int | None, BaseException]:
@@ -430,8 +467,9 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 # ---- load ---------------------------------------------------------------------------------------
-def load_sharded(model: nn.Module, optimizers: list[torch.optim.Optimizer], ckpt: Path, *, rank: int,
-                 world_size: int) -> dict[str, Any]:
+def load_sharded(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], ckpt: Path, *, rank: int, world_size: int
+) -> dict[str, Any]:
     """Load model and optimizer shards into the (already parallelised) ``model``, any layout.
 
     DCP reshards on load, so a checkpoint saved under one layout loads under another. RNG states
@@ -477,7 +515,9 @@ def _load(dcp: Any, state: dict[str, Any], ckpt: Path) -> None:
         if isinstance(cause, CheckpointError):
             raise CheckpointError(str(cause)) from None
         if isinstance(cause, ValueError) and "mismatch" in str(cause):  # an older checkpoint: no recorded config
-            raise CheckpointError(f"{ckpt} was saved for another model ({one_line(cause, with_type=True)}); "
-                                  "resume with the model config it was trained with, or start a new run_dir "
-                                  "without resume") from None
+            raise CheckpointError(
+                f"{ckpt} was saved for another model ({one_line(cause, with_type=True)}); "
+                "resume with the model config it was trained with, or start a new run_dir "
+                "without resume"
+            ) from None
         raise

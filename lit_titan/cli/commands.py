@@ -21,18 +21,26 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "train": Command("lit_titan.train", "train a Llama under any parallel layout (Hydra overrides; -m sweeps)"),
-    "prepare": Command("lit_titan.cli.prepare",
-                       "tokenize your text once into token shards (data=text data.path=DIR out=DIR)"),
-    "plan": Command("lit_titan.cli.plan", "dry-run a layout for a cluster profile: memory, step time, MFU bound; "
-                                          "search=true ranks layouts"),
-    "launch": Command("lit_titan.cli.launch", "print (--dry-run) or run the torchrun / Slurm command for a cluster "
-                                              "profile"),
+    "prepare": Command(
+        "lit_titan.cli.prepare", "tokenize your text once into token shards (data=text data.path=DIR out=DIR)"
+    ),
+    "plan": Command(
+        "lit_titan.cli.plan",
+        "dry-run a layout for a cluster profile: memory, step time, MFU bound; search=true ranks layouts",
+    ),
+    "launch": Command(
+        "lit_titan.cli.launch", "print (--dry-run) or run the torchrun / Slurm command for a cluster profile"
+    ),
     "export": Command("lit_titan.cli.export", "turn a checkpoint into a Hugging Face Llama directory"),
-    "report": Command("lit_titan.cli.report", "write RUN_DIR/report.html: loss, throughput, per-rank timeline, "
-                                              "checkpoints"),
-    "preflight": Command("lit_titan.cli.preflight", "burn-in and bandwidth test of every rank, mesh group and "
-                                                    "intra-/inter-node group; names slow ranks/links (train's "
-                                                    "overrides)"),
+    "report": Command(
+        "lit_titan.cli.report", "write RUN_DIR/report.html: loss, throughput, per-rank timeline, checkpoints"
+    ),
+    "preflight": Command(
+        "lit_titan.cli.preflight",
+        "burn-in and bandwidth test of every rank, mesh group and "
+        "intra-/inter-node group; names slow ranks/links (train's "
+        "overrides)",
+    ),
 }
 
 

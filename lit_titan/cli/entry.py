@@ -12,15 +12,24 @@ from collections.abc import Callable
 from typing import Any
 
 from lit_titan.errors import Preempted, is_peer_failure
-from lit_titan.job.ranks import (exit_rank, is_rank_of_a_job, job_rank, report_peer_failure, report_rank_failure,
-                                 report_user_error, wait_for_parent)
+from lit_titan.job.ranks import (
+    exit_rank,
+    is_rank_of_a_job,
+    job_rank,
+    report_peer_failure,
+    report_rank_failure,
+    report_user_error,
+    wait_for_parent,
+)
 
 __all__ = ["run_entry_point"]
 
 
-def run_entry_point(main: Callable[[], Any],
-                    user_errors: tuple[type[BaseException], ...] | Callable[[], tuple[type[BaseException], ...]],
-                    rank_failures: bool = False) -> None:
+def run_entry_point(
+    main: Callable[[], Any],
+    user_errors: tuple[type[BaseException], ...] | Callable[[], tuple[type[BaseException], ...]],
+    rank_failures: bool = False,
+) -> None:
     """Run an entry point's ``main``; an error in the user's input is one line and exit code 2.
 
     An exception with an ``exit_code`` (a stop every rank decided on, e.g. ``NonFiniteError``) is
@@ -39,7 +48,7 @@ def run_entry_point(main: Callable[[], Any],
         if err.wait_for_parent is not None:
             wait_for_parent(err.wait_for_parent)
         _exit(err.code, rank_failures)
-    except (user_errors() if callable(user_errors) else user_errors) as err:
+    except user_errors() if callable(user_errors) else user_errors as err:  # noqa: B030 - a tuple of classes
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         report_user_error(err)
@@ -65,4 +74,3 @@ def _exit(code: int, launched_job: bool) -> None:
         exit_rank(code)
     if code:
         sys.exit(code)
-

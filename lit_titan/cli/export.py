@@ -35,8 +35,18 @@ from lit_titan.models.registry import ModelArgsLike as ModelArgs
 
 MODEL_PREFIX = "state_dict.model."  # where Lightning's DCP checkpoints keep the model's weights
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class ExportError(UserError):
@@ -49,13 +59,16 @@ USER_ERRORS = (ExportError, ConfigError, FileNotFoundError)
 # ---- reading the checkpoint ----------------------------------------------------------------------
 def check_checkpoint(ckpt: Path) -> None:
     if not ckpt.exists():
-        raise FileNotFoundError(f"checkpoint {ckpt} does not exist; pass a checkpoint directory such as "
-                                f"<run_dir>/checkpoints/step-XXXXXX")
+        raise FileNotFoundError(
+            f"checkpoint {ckpt} does not exist; pass a checkpoint directory such as <run_dir>/checkpoints/step-XXXXXX"
+        )
     if not ckpt.is_dir():
         raise ExportError(f"{ckpt} is not a sharded (DCP) checkpoint directory written by lit-titan training")
     if not (ckpt / ".metadata").is_file():
-        raise ExportError(f"{ckpt} is not a complete checkpoint (no .metadata: the save was interrupted?); "
-                          f"choose another checkpoint in {ckpt.parent}")
+        raise ExportError(
+            f"{ckpt} is not a complete checkpoint (no .metadata: the save was interrupted?); "
+            f"choose another checkpoint in {ckpt.parent}"
+        )
     from lit_titan.checkpoint import CheckpointError
     from lit_titan.checkpoint.layout import verify_checksums
 
@@ -73,8 +86,11 @@ def model_tensor_metadata(ckpt: Path) -> dict[str, tuple[str, Any]]:
         metadata = _reader(ckpt).read_metadata()
     except Exception as err:  # noqa: BLE001 - any unreadable .metadata means "not a checkpoint"
         raise ExportError(f"{ckpt}/.metadata is not a readable DCP checkpoint ({type(err).__name__})") from err
-    found = {canonical_name(k[len(MODEL_PREFIX):]): (k, m) for k, m in metadata.state_dict_metadata.items()
-             if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
+    found = {
+        canonical_name(k[len(MODEL_PREFIX) :]): (k, m)
+        for k, m in metadata.state_dict_metadata.items()
+        if k.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)
+    }
     if not found:
         raise ExportError(f"{ckpt} holds no model weights (no '{MODEL_PREFIX}*' tensors)")
     return found
@@ -117,8 +133,10 @@ def resolve_model_args(ckpt: Path, flavor: str | None, overrides: list[str]) -> 
     else:
         config_yaml = ckpt.resolve().parent.parent / "config.yaml"
         if not config_yaml.is_file():
-            raise FileNotFoundError(f"no run config at {config_yaml} (train.py writes <run_dir>/config.yaml); "
-                                    f"pass the model: --model FLAVOR [model.KEY=VALUE ...]")
+            raise FileNotFoundError(
+                f"no run config at {config_yaml} (train.py writes <run_dir>/config.yaml); "
+                f"pass the model: --model FLAVOR [model.KEY=VALUE ...]"
+            )
         try:
             cfg = OmegaConf.merge(OmegaConf.load(config_yaml), OmegaConf.from_dotlist(overrides))
         except (OmegaConfBaseException, ValueError) as err:
@@ -146,14 +164,25 @@ def check_shapes(tensors: dict[str, tuple[str, Any]], args: ModelArgs) -> None:
     missing = sorted(set(expected) - set(tensors))
     # A tied head shares the embedding's weight: a state dict may list it under both names.
     extra = sorted(set(tensors) - set(expected) - aliases)
-    wrong = [f"{n} {list(tensors[n][1].size)} vs {list(s)}" for n, s in expected.items()
-             if n in tensors and tuple(tensors[n][1].size) != s]
+    wrong = [
+        f"{n} {list(tensors[n][1].size)} vs {list(s)}"
+        for n, s in expected.items()
+        if n in tensors and tuple(tensors[n][1].size) != s
+    ]
     if missing or extra or wrong:
-        detail = "; ".join(part for part in (
-            f"missing {missing[:4]}" if missing else "", f"unexpected {extra[:4]}" if extra else "",
-            f"shapes (checkpoint vs config) {wrong[:4]}" if wrong else "") if part)
-        raise ExportError(f"the checkpoint does not match the model config ({detail}); "
-                          f"pass the run's model: --model FLAVOR model.KEY=VALUE ...")
+        detail = "; ".join(
+            part
+            for part in (
+                f"missing {missing[:4]}" if missing else "",
+                f"unexpected {extra[:4]}" if extra else "",
+                f"shapes (checkpoint vs config) {wrong[:4]}" if wrong else "",
+            )
+            if part
+        )
+        raise ExportError(
+            f"the checkpoint does not match the model config ({detail}); "
+            f"pass the run's model: --model FLAVOR model.KEY=VALUE ..."
+        )
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -165,8 +194,14 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def write_hf_dir(ckpt: Path, out: Path, tensors: dict[str, tuple[str, Any]], args: ModelArgs,
-                 dtype: torch.dtype, max_shard_bytes: int) -> None:
+def write_hf_dir(
+    ckpt: Path,
+    out: Path,
+    tensors: dict[str, tuple[str, Any]],
+    args: ModelArgs,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+) -> None:
     """Shards planned from the metadata, then read, converted and written one at a time."""
     adapter = registry.hf_adapter(args, "export")
     out.mkdir(parents=True)
@@ -201,9 +236,16 @@ def _publish(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype = torch.float32,
-                      max_shard_bytes: int = 5 * 10**9, model: str | None = None,
-                      overrides: tuple[str, ...] | list[str] = (), overwrite: bool = False) -> Path:
+def export_checkpoint(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 10**9,
+    model: str | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
+    overwrite: bool = False,
+) -> Path:
     """Library entry point: every input is checked before anything is written."""
     ckpt, out = Path(ckpt).expanduser(), Path(out).expanduser().resolve()
     check_checkpoint(ckpt)
@@ -224,23 +266,36 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, *, dtype: torch.dtype =
 # ---- command line --------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, like every lit-titan entry point
-        raise ExportError(f"{message} (usage: lit-titan export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16] "
-                          f"[--max-shard-size 5GB] [--model FLAVOR model.KEY=VALUE ...])")
+        raise ExportError(
+            f"{message} (usage: lit-titan export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16] "
+            f"[--max-shard-size 5GB] [--model FLAVOR model.KEY=VALUE ...])"
+        )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="lit-titan export", description=__doc__.split("\n\n")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser = _Parser(
+        prog="lit-titan export",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     parser.add_argument("checkpoint", help="a DCP checkpoint directory, e.g. <run_dir>/checkpoints/step-XXXXXX")
     parser.add_argument("out", help="the Hugging Face directory to write (new or empty)")
     parser.add_argument("overrides", nargs="*", help="model.KEY=VALUE overrides of the model config")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                        help="dtype of the written weights (default fp32: lossless; bf16 halves the size)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="dtype of the written weights (default fp32: lossless; bf16 halves the size)",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     from lit_titan.cli.usage import config_groups  # the flavors in conf/model/, so the list cannot drift
 
-    parser.add_argument("--model", default=None, help=f"model flavor ({', '.join(config_groups()['model'])}), when "
-                                                      f"the run's config.yaml is not there")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"model flavor ({', '.join(config_groups()['model'])}), when the run's config.yaml is not there",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     return parser.parse_intermixed_args(argv)  # options may come between positionals
 
@@ -250,9 +305,15 @@ def main(argv: list[str] | None = None) -> Path:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         opts = parse_args(argv)
-        return export_checkpoint(opts.checkpoint, opts.out, dtype=DTYPES[opts.dtype],
-                                 max_shard_bytes=parse_size(opts.max_shard_size), model=opts.model,
-                                 overrides=opts.overrides, overwrite=opts.overwrite)
+        return export_checkpoint(
+            opts.checkpoint,
+            opts.out,
+            dtype=DTYPES[opts.dtype],
+            max_shard_bytes=parse_size(opts.max_shard_size),
+            model=opts.model,
+            overrides=opts.overrides,
+            overwrite=opts.overwrite,
+        )
     except USER_ERRORS as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

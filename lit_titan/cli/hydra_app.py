@@ -59,12 +59,15 @@ def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> d
     hydra = _create_hydra(args)
     from lit_titan.cli.usage import render  # generated from conf/ (+ --config-dir): lit_titan/cli/usage.py
 
-    shown = {"help": lambda: print(render("train", extra_dirs=(args.config_dir,) if args.config_dir else ())),
-             "hydra_help": lambda: hydra.hydra_help(config_name=config_name, args_parser=parser, args=args),
-             "cfg": lambda: hydra.show_cfg(config_name=config_name, overrides=overrides, cfg_type=args.cfg,
-                                           package=args.package, resolve=args.resolve),
-             "info": lambda: hydra.show_info(args.info, config_name=config_name, overrides=overrides),
-             "shell_completion": lambda: hydra.shell_completion(config_name=config_name, overrides=overrides)}
+    shown = {
+        "help": lambda: print(render("train", extra_dirs=(args.config_dir,) if args.config_dir else ())),
+        "hydra_help": lambda: hydra.hydra_help(config_name=config_name, args_parser=parser, args=args),
+        "cfg": lambda: hydra.show_cfg(
+            config_name=config_name, overrides=overrides, cfg_type=args.cfg, package=args.package, resolve=args.resolve
+        ),
+        "info": lambda: hydra.show_info(args.info, config_name=config_name, overrides=overrides),
+        "shell_completion": lambda: hydra.shell_completion(config_name=config_name, overrides=overrides),
+    }
     for flag, show in shown.items():
         if getattr(args, flag):
             with _one_line_errors(hydra, overrides):
@@ -79,15 +82,21 @@ def run_app(argv: list[str], train: Callable[[DictConfig], dict[str, Any]]) -> d
     # (output_subdir=null) and task() writes it, redacted, where the user asked (record_subdir).
     record = _record_subdir(overrides)
     if multirun:
-        hydra.multirun(config_name=config_name, task_function=partial(task, train=train, record=record, specs=specs),
-                       overrides=[*overrides, "hydra.mode=MULTIRUN", _NO_HYDRA_RECORD])
+        hydra.multirun(
+            config_name=config_name,
+            task_function=partial(task, train=train, record=record, specs=specs),
+            overrides=[*overrides, "hydra.mode=MULTIRUN", _NO_HYDRA_RECORD],
+        )
         return {}
     from lit_titan.job.ranks import is_launcher_rank_zero
 
     record = record if is_launcher_rank_zero() else None  # rank 0 records
     _outcome.clear()
-    hydra.run(config_name=config_name, task_function=partial(task, train=train, record=record, specs=specs),
-              overrides=[*overrides, "hydra.mode=RUN", _NO_HYDRA_RECORD])
+    hydra.run(
+        config_name=config_name,
+        task_function=partial(task, train=train, record=record, specs=specs),
+        overrides=[*overrides, "hydra.mode=RUN", _NO_HYDRA_RECORD],
+    )
     if "error" in _outcome:  # re-raised here, not by Hydra, which would print a second line first
         raise _outcome.pop("error")
     return _outcome.pop("summary", {})
@@ -137,8 +146,12 @@ def write_record(cfg: DictConfig, hc: Any, subdir: str) -> None:
         write_private(sweep_record, OmegaConf.to_yaml(redact(OmegaConf.load(sweep_record), secrets)))
 
 
-def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | None = None,
-         specs: dict[tuple[str, ...], JobSpec] | None = None) -> dict[str, Any]:
+def task(
+    cfg: DictConfig,
+    train: Callable[..., dict[str, Any]],
+    record: str | None = None,
+    specs: dict[tuple[str, ...], JobSpec] | None = None,
+) -> dict[str, Any]:
     """Hydra's task function: one job (a run, a sweep point, or one rank of a submitit job).
 
     ``record``: the subdirectory for Hydra's record of this job (written here, redacted), or None.
@@ -174,8 +187,11 @@ def task(cfg: DictConfig, train: Callable[..., dict[str, Any]], record: str | No
     print(f"lit-titan: sweep job {hc.job.num}: {' '.join(shown)} -> {cfg.run_dir}", flush=True)
     if os.environ.get("SUBMITIT_EXECUTOR"):
         summary = checked(cfg)
-        print(f"lit-titan: task {os.environ.get('SLURM_PROCID')} of {os.environ.get('SLURM_NTASKS')} trained under "
-              f"{summary.get('cluster_environment')}", flush=True)
+        print(
+            f"lit-titan: task {os.environ.get('SLURM_PROCID')} of {os.environ.get('SLURM_NTASKS')} trained under "
+            f"{summary.get('cluster_environment')}",
+            flush=True,
+        )
         return summary
     if world_size(cfg) > 1:  # Lightning issue 11300: several processes -> a fresh process group of its own
         return _run_point_in_subprocess(list(hc.overrides.task), Path(cfg.run_dir))
@@ -214,16 +230,19 @@ def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> dic
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as err:
-        raise ConfigError(compose_error_line(_flat(err), overrides, lambda group: []) or
-                          f"cannot parse the overrides: {_flat(err)}") from None
+        raise ConfigError(
+            compose_error_line(_flat(err), overrides, lambda group: []) or f"cannot parse the overrides: {_flat(err)}"
+        ) from None
     own = [o.input_line for o in parsed if _is_hydra_key(o.key_or_group)]
     job = [o for o in parsed if not _is_hydra_key(o.key_or_group)]
     for o in job:  # Hydra's own answer to `optim=1` is a ValueError without the override's name
         if not o.is_sweep_override() and not isinstance(o.value(), (str, list)):
             options = hydra.config_loader.get_group_options(o.key_or_group)
             if options:
-                raise ConfigError(f"{o.input_line}: {o.key_or_group} is a config group; choose one of "
-                                  f"{', '.join(options)} (or set one of its keys: {o.key_or_group}.KEY=VALUE)")
+                raise ConfigError(
+                    f"{o.input_line}: {o.key_or_group} is a config group; choose one of "
+                    f"{', '.join(options)} (or set one of its keys: {o.key_or_group}.KEY=VALUE)"
+                )
     if mode == RunMode.MULTIRUN:
         points = [point for batch in BasicSweeper.split_arguments(job, None) for point in batch]
     else:
@@ -234,10 +253,14 @@ def _check(hydra: Any, config_name: str, overrides: list[str], mode: Any) -> dic
     specs: dict[tuple[str, ...], JobSpec] = {}
     for point in points:
         with _one_line_errors(hydra, [*overrides, *own, *point]):  # the user's own spelling first
-            full = hydra.compose_config(config_name=config_name, overrides=[*own, *point], run_mode=mode,
-                                        with_log_configuration=False)
-        launcher = OmegaConf.create(OmegaConf.to_container(full.hydra.launcher, resolve=True)) \
-            if mode == RunMode.MULTIRUN else None
+            full = hydra.compose_config(
+                config_name=config_name, overrides=[*own, *point], run_mode=mode, with_log_configuration=False
+            )
+        launcher = (
+            OmegaConf.create(OmegaConf.to_container(full.hydra.launcher, resolve=True))
+            if mode == RunMode.MULTIRUN
+            else None
+        )
         job_cfg = OmegaConf.masked_copy(full, [k for k in full if k != "hydra"])
         spec = validate(job_cfg)
         rules.launcher(job_cfg, launcher)
@@ -257,8 +280,10 @@ class SweepSummary(Callback):
 
 def write_sweep_summary(sweep_dir: Path) -> Path:
     """summary.csv from what each point wrote (``.hydra/overrides.yaml``, ``metrics.csv``): works for any launcher."""
-    points = sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
-                    key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
+    points = sorted(
+        (p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
+        key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name),
+    )
     out = sweep_dir / "summary.csv"
     with open(out, "w", newline="") as f:
         writer = csv.writer(f)
@@ -285,8 +310,18 @@ def _run_point_in_subprocess(overrides: list[str], run_dir: Path) -> dict[str, A
     """
     cmd = [sys.executable, "-m", "lit_titan.train", *overrides, f"run_dir={run_dir}", "hydra.output_subdir=null"]
     # The distributed variables of this process (if any) must not pin the child's job.
-    drop = {RUN_DIR_ENV, "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-            "LOCAL_WORLD_SIZE", "GROUP_RANK", "GLOBAL_RANK"}
+    drop = {
+        RUN_DIR_ENV,
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GLOBAL_RANK",
+    }
     env = {k: v for k, v in os.environ.items() if k not in drop}
     code = subprocess.run(cmd, env=env, check=False).returncode
     if code != 0:
@@ -307,9 +342,17 @@ def _slurm_env_from_submitit_local() -> None:
     if env.get("SUBMITIT_EXECUTOR") != "local":
         return
     ntasks = env["SUBMITIT_LOCAL_NTASKS"]
-    env.update(SLURM_NTASKS=ntasks, SLURM_NTASKS_PER_NODE=ntasks, SLURM_NNODES="1", SLURM_NODEID="0",
-               SLURM_PROCID=env["SUBMITIT_LOCAL_GLOBALID"], SLURM_LOCALID=env["SUBMITIT_LOCAL_LOCALID"],
-               SLURM_JOB_ID=env["SUBMITIT_LOCAL_JOB_ID"], SLURM_JOB_NAME="lit-titan", SLURM_NODELIST="127.0.0.1")
+    env.update(
+        SLURM_NTASKS=ntasks,
+        SLURM_NTASKS_PER_NODE=ntasks,
+        SLURM_NNODES="1",
+        SLURM_NODEID="0",
+        SLURM_PROCID=env["SUBMITIT_LOCAL_GLOBALID"],
+        SLURM_LOCALID=env["SUBMITIT_LOCAL_LOCALID"],
+        SLURM_JOB_ID=env["SUBMITIT_LOCAL_JOB_ID"],
+        SLURM_JOB_NAME="lit-titan",
+        SLURM_NODELIST="127.0.0.1",
+    )
 
 
 # ---- parsing, composing, errors ------------------------------------------------------------------
@@ -338,8 +381,10 @@ def _create_hydra(args: Any) -> Any:
     if args.config_dir is not None:
         extra = Path(args.config_dir).expanduser().resolve()
         if not extra.is_dir():
-            raise ConfigError(f"--config-dir {args.config_dir}: no such directory; pass a directory holding your "
-                              f"config groups, e.g. DIR/model/my_llama.yaml (then model=my_llama)")
+            raise ConfigError(
+                f"--config-dir {args.config_dir}: no such directory; pass a directory holding your "
+                f"config groups, e.g. DIR/model/my_llama.yaml (then model=my_llama)"
+            )
         # Where @hydra.main puts it (hydra._internal.utils._run_hydra): before the plugins' structured configs.
         search_path.prepend(provider="command-line", path=f"file://{extra}", anchor=SearchPathQuery(provider="schema"))
     GlobalHydra.instance().clear()

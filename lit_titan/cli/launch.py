@@ -52,9 +52,11 @@ def check_cluster(cfg: DictConfig) -> None:
         raise ConfigError(f"cluster.num_nodes={nodes} and cluster.devices={per_node} must both be >= 1")
     gpus = c.get("gpus_per_node")
     if c.accelerator == "gpu" and gpus is not None and per_node > int(gpus):
-        raise ConfigError(f"cluster.devices={per_node} processes per node, but the profile's nodes have "
-                          f"cluster.gpus_per_node={gpus} GPUs; set cluster.devices={gpus} (one process per GPU) "
-                          f"and raise cluster.num_nodes instead")
+        raise ConfigError(
+            f"cluster.devices={per_node} processes per node, but the profile's nodes have "
+            f"cluster.gpus_per_node={gpus} GPUs; set cluster.devices={gpus} (one process per GPU) "
+            f"and raise cluster.num_nodes instead"
+        )
     degrees = {k: int(p[k]) for k in DEGREES}
     if degrees["dp_shard"] != -1:
         product = 1
@@ -65,7 +67,8 @@ def check_cluster(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"cluster has {nodes} node(s) x {per_node} device(s) = {nodes * per_node} processes but the layout "
                 f"{shown} needs {product}; set cluster.num_nodes / cluster.devices to match, or "
-                f"parallel.dp_shard=-1 to take the ranks left")
+                f"parallel.dp_shard=-1 to take the ranks left"
+            )
 
 
 def launch_command(cfg: DictConfig, overrides: list[str]) -> str:
@@ -135,8 +138,10 @@ def main(argv: list[str] | None = None) -> str:
         print("\n# save this as a script and submit it with sbatch", file=sys.stderr)
     else:
         if int(cfg.cluster.num_nodes) > 1 and not os.environ.get("MASTER_ADDR"):
-            raise ConfigError(f"cluster.num_nodes={cfg.cluster.num_nodes}: set MASTER_ADDR to node 0's address and "
-                              f"run this same command on every node (or --dry-run to print it)")
+            raise ConfigError(
+                f"cluster.num_nodes={cfg.cluster.num_nodes}: set MASTER_ADDR to node 0's address and "
+                f"run this same command on every node (or --dry-run to print it)"
+            )
         # bash, not shlex.split: the multi-node line reads $MASTER_ADDR / $MASTER_PORT.
         sys.exit(subprocess.run(["bash", "-c", command]).returncode)
     return command

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lit_titan.config import ConfigError, compose
 from lit_titan.cli.launch import launch_command
+from lit_titan.config import ConfigError, compose
 from lit_titan.planner import make_plan_from_cfg, render_table
 
 __all__ = ["make_plan", "main"]
@@ -74,16 +74,24 @@ def search_layouts(overrides: list[str] | tuple[str, ...] = (), *, write: bool =
 
     keys, overrides = split_plan_keys(overrides)
     cfg = compose(list(overrides), check=True)
-    result = search(cfg, list(overrides), eff=_efficiencies(keys), top=int(keys.get("plan.top", 10)),
-                    confirm=int(keys.get("plan.confirm", 3)))
+    result = search(
+        cfg,
+        list(overrides),
+        eff=_efficiencies(keys),
+        top=int(keys.get("plan.top", 10)),
+        confirm=int(keys.get("plan.confirm", 3)),
+    )
     if write:
         result["path"] = str(_write(cfg, "search.json", result))
     return result
 
 
 def _write(cfg, name: str, obj: dict[str, Any]) -> Path:
-    run_dir = Path(str(cfg.run_dir)) if cfg.get("run_dir") else (
-        Path("runs") / f"{cfg.model.name}-plan-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = (
+        Path(str(cfg.run_dir))
+        if cfg.get("run_dir")
+        else (Path("runs") / f"{cfg.model.name}-plan-{time.strftime('%Y%m%d-%H%M%S')}")
+    )
     run_dir = run_dir.expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / name

@@ -64,9 +64,12 @@ def parse_args(argv: list[str]) -> PrepareArgs:
         raise ConfigError("out=DIR is required: the directory to write the prepared shards to")
     if "://" in out and not out.startswith("s3://"):
         raise ConfigError(f"out={out}: only a local directory or s3://BUCKET/PREFIX is supported")
-    return PrepareArgs(out=out, workers=_positive_int(own, "workers", os.cpu_count() or 1),
-                       chunk_tokens=_positive_int(own, "chunk_tokens", DEFAULT_CHUNK_TOKENS),
-                       overrides=tuple(overrides))
+    return PrepareArgs(
+        out=out,
+        workers=_positive_int(own, "workers", os.cpu_count() or 1),
+        chunk_tokens=_positive_int(own, "chunk_tokens", DEFAULT_CHUNK_TOKENS),
+        overrides=tuple(overrides),
+    )
 
 
 def _positive_int(own: dict[str, str], key: str, default: int) -> int:
@@ -105,8 +108,9 @@ def _prepare_to_s3(args: PrepareArgs, cfg: Any, progress: bool, start: float) ->
 
     from lit_titan.data import remote
 
-    options = OmegaConf.to_container(cfg.data.storage_options, resolve=True) if cfg.data.get("storage_options") \
-        else None
+    options = (
+        OmegaConf.to_container(cfg.data.storage_options, resolve=True) if cfg.data.get("storage_options") else None
+    )
     remote.check_bucket(args.out, options)
     with tempfile.TemporaryDirectory(prefix="lit-titan-prepare-") as tmp:
         result = _prepare_local(args, cfg, Path(tmp), progress, start)
@@ -138,8 +142,16 @@ def _prepare_local(args: PrepareArgs, cfg: Any, out: Path, progress: bool, start
     prepared = manifest is None
     if prepared:
         try:
-            manifest = prepare_shards(train, val, tokenizer, out, chunk_tokens=args.chunk_tokens,
-                                      num_workers=args.workers, progress=progress, source=source)
+            manifest = prepare_shards(
+                train,
+                val,
+                tokenizer,
+                out,
+                chunk_tokens=args.chunk_tokens,
+                num_workers=args.workers,
+                progress=progress,
+                source=source,
+            )
         except ValueError as err:  # a malformed .jsonl line, found by a worker
             raise ConfigError(str(err)) from err
     return {"out": str(out), "prepared": prepared, "seconds": time.perf_counter() - start, "manifest": manifest}
@@ -161,15 +173,20 @@ def _tokenizer(data: Any, train: Any, out: Path) -> tuple[Any, dict[str, Any]]:
         cached = bpe_tokenizer_path(train, int(tok.vocab_size), cache_dir)
         source["bpe_cache_key"] = cached.parent.name
         previous = read_manifest(out)
-        if (not cached.is_file() and previous is not None and previous.get("source") == source
-                and (out / TOKENIZER_FILE).is_file()):
+        if (
+            not cached.is_file()
+            and previous is not None
+            and previous.get("source") == source
+            and (out / TOKENIZER_FILE).is_file()
+        ):
             cached.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
             os.close(fd)
             shutil.copyfile(out / TOKENIZER_FILE, tmp)
             os.replace(tmp, cached)
-    tokenizer = build_tokenizer(kind=str(tok.kind), path=tok.get("path"), vocab_size=int(tok.vocab_size),
-                                corpus=train, cache_dir=cache_dir)
+    tokenizer = build_tokenizer(
+        kind=str(tok.kind), path=tok.get("path"), vocab_size=int(tok.vocab_size), corpus=train, cache_dir=cache_dir
+    )
     return tokenizer, source
 
 
@@ -177,14 +194,17 @@ def summary_line(result: dict[str, Any]) -> str:
     m = result["manifest"]
     parts = []
     for name, s in m["splits"].items():
-        parts.append(f"{name} {s['tokens']:,} tokens, {s['documents']:,} documents, {s['chunks']} "
-                     f"chunk{'s' if s['chunks'] != 1 else ''}")
+        parts.append(
+            f"{name} {s['tokens']:,} tokens, {s['documents']:,} documents, {s['chunks']} "
+            f"chunk{'s' if s['chunks'] != 1 else ''}"
+        )
     tok = m["tokenizer"]
     what = "; ".join(parts) + f" (vocab {tok['vocab_size']}, {m['chunk_tokens']:,} tokens per chunk)"
     if result["prepared"]:
         workers = m["splits"]["train"].get("workers")
-        return (f"prepared {result['out']} in {result['seconds']:.1f} s with {workers} worker{'s' * (workers != 1)}: "
-                f"{what}")
+        return (
+            f"prepared {result['out']} in {result['seconds']:.1f} s with {workers} worker{'s' * (workers != 1)}: {what}"
+        )
     return f"already prepared: {result['out']} holds these shards, nothing to do ({result['seconds']:.2f} s): {what}"
 
 

@@ -17,9 +17,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     A function, not a constant: their modules import torch and Lightning, which ``--help`` must not wait for.
     """
-    from lit_titan.observe.diagnostics import PreflightError
     from lit_titan.checkpoint import CheckpointError
     from lit_titan.config import ConfigError
+    from lit_titan.observe.diagnostics import PreflightError
     from lit_titan.strategies.parallel_dims import LayoutError
 
     return (ConfigError, LayoutError, FileNotFoundError, CheckpointError, PreflightError)

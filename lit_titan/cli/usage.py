@@ -55,14 +55,16 @@ EXAMPLES = {
 }
 
 INTRO = {
-    "train": ("lit-titan train: pre-train a Llama 3.1 with Lightning under any parallel layout.\n\n"
-              "python -m lit_titan.train [OVERRIDES]         one run (run_dir=PATH, default runs/<model>-<time>)\n"
-              "python -m lit_titan.train -m KEY=A,B ...      a sweep: one run per point in <sweep dir>/<n>, summary.csv\n"
-              "python -m lit_titan.train --cfg job|hydra     print the composed config (--resolve: resolved)\n"
-              "python -m lit_titan.train --info [searchpath|defaults|...]\n"
-              "--config-dir DIR                              your own config groups (DIR/model/my_llama.yaml, ...)\n"
-              "hydra/launcher=submitit_slurm|submitit_local  run the sweep's jobs through submitit (Slurm / locally)\n"
-              "Hydra's own flags: --hydra-help. Launch paths: docs/launching.md."),
+    "train": (
+        "lit-titan train: pre-train a Llama 3.1 with Lightning under any parallel layout.\n\n"
+        "python -m lit_titan.train [OVERRIDES]         one run (run_dir=PATH, default runs/<model>-<time>)\n"
+        "python -m lit_titan.train -m KEY=A,B ...      a sweep: one run per point in <sweep dir>/<n>, summary.csv\n"
+        "python -m lit_titan.train --cfg job|hydra     print the composed config (--resolve: resolved)\n"
+        "python -m lit_titan.train --info [searchpath|defaults|...]\n"
+        "--config-dir DIR                              your own config groups (DIR/model/my_llama.yaml, ...)\n"
+        "hydra/launcher=submitit_slurm|submitit_local  run the sweep's jobs through submitit (Slurm / locally)\n"
+        "Hydra's own flags: --hydra-help. Launch paths: docs/launching.md."
+    ),
 }
 
 
@@ -82,17 +84,23 @@ def config_groups(extra_dirs: tuple[Path | str, ...] = ()) -> dict[str, list[str
     return {g: sorted(groups[g]) for g in sorted(groups, key=lambda g: (g.startswith("hydra"), g))}
 
 
-def render(command: str, extra_dirs: tuple[Path | str, ...] = (), intro: str | None = None,
-           examples: bool = True) -> str:
+def render(
+    command: str, extra_dirs: tuple[Path | str, ...] = (), intro: str | None = None, examples: bool = True
+) -> str:
     """The ``--help`` text of ``lit-titan COMMAND`` (one that takes the training overrides)."""
     from lit_titan.cli.commands import COMMANDS
 
-    lines = [intro or INTRO.get(command) or f"lit-titan {command}: {COMMANDS[command].summary}", "",
-             "== Config groups (choose one per group, e.g. model=llama3_8b; callbacks and logger take lists: "
-             "logger=[csv,tensorboard]; a recipe is added: +recipe=NAME) =="]
+    lines = [
+        intro or INTRO.get(command) or f"lit-titan {command}: {COMMANDS[command].summary}",
+        "",
+        "== Config groups (choose one per group, e.g. model=llama3_8b; callbacks and logger take lists: "
+        "logger=[csv,tensorboard]; a recipe is added: +recipe=NAME) ==",
+    ]
     lines += [f"{group}: {', '.join(options)}" for group, options in config_groups(extra_dirs).items()]
-    lines += ["", "== Most-used keys (KEY=VALUE; every key: python -m lit_titan.train --cfg job, "
-                  "docs/configuration.md) =="]
+    lines += [
+        "",
+        "== Most-used keys (KEY=VALUE; every key: python -m lit_titan.train --cfg job, docs/configuration.md) ==",
+    ]
     width = max(len(k) for k, _ in KEYS)
     lines += [f"{key:<{width}}  {text}" for key, text in KEYS]
     if examples:
@@ -106,6 +114,13 @@ def cli_help() -> str:
     from lit_titan.cli.commands import COMMANDS
 
     width = max(map(len, COMMANDS))
-    return "\n".join(["usage: lit-titan COMMAND [arguments...]   (lit-titan COMMAND --help: that command's options)",
-                      "", "commands:", *(f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items()), "",
-                      "Start: python -m lit_titan.train trainer.max_steps=20; README.md, section \"First hour\"."])
+    return "\n".join(
+        [
+            "usage: lit-titan COMMAND [arguments...]   (lit-titan COMMAND --help: that command's options)",
+            "",
+            "commands:",
+            *(f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items()),
+            "",
+            'Start: python -m lit_titan.train trainer.max_steps=20; README.md, section "First hour".',
+        ]
+    )

@@ -42,15 +42,19 @@ def _register_resolvers() -> None:
     OmegaConf.register_new_resolver("lit_titan.run_dir", default_run_dir, replace=True, use_cache=True)
     # use_cache: Hydra copies the cache to every sweep point, so all points agree on the stamp.
     OmegaConf.register_new_resolver(
-        "lit_titan.sweep_dir", lambda run_dir: str(run_dir) if run_dir else
-        str(Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"), replace=True, use_cache=True)
+        "lit_titan.sweep_dir",
+        lambda run_dir: str(run_dir) if run_dir else str(Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"),
+        replace=True,
+        use_cache=True,
+    )
 
 
 _register_resolvers()
 
 
-def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "train", *,
-            check: bool = False) -> DictConfig:
+def compose(
+    overrides: list[str] | tuple[str, ...] = (), config_name: str = "train", *, check: bool = False
+) -> DictConfig:
     """``conf/<config_name>.yaml`` with ``overrides``; ``check``: its schema too (types, keys, ranges).
 
     Unchecked by default because ``spec.validate`` checks it: a command that validates does not also
@@ -67,8 +71,11 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "tra
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
         detail = " ".join((str(err).strip() or str(err.__cause__ or "").strip() or type(err).__name__).split())
-        line = compose_error_line(f"{detail} {err.__cause__ or ''}", list(overrides),
-                                  lambda group: sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")))
+        line = compose_error_line(
+            f"{detail} {err.__cause__ or ''}",
+            list(overrides),
+            lambda group: sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")),
+        )
         error = ConfigError(line or f"{detail}; config groups and their options: {conf_dir()}")
         error.raised_on_every_rank = True  # type: ignore[attr-defined]
         raise error from err

@@ -40,8 +40,10 @@ def check_run_dir(run_dir: Any) -> None:
     """
     if not run_dir:
         if _unwritable(Path.cwd() / "runs" if (Path.cwd() / "runs").is_dir() else Path.cwd()):
-            raise ConfigError(f"run_dir=null: the default runs/<model>-<time> would go under {Path.cwd()}, which "
-                              f"is not writable; set run_dir=PATH to a directory you can write")
+            raise ConfigError(
+                f"run_dir=null: the default runs/<model>-<time> would go under {Path.cwd()}, which "
+                f"is not writable; set run_dir=PATH to a directory you can write"
+            )
         return
     path = Path(str(run_dir)).expanduser().absolute()
     probe = path
@@ -51,8 +53,10 @@ def check_run_dir(run_dir: Any) -> None:
         raise ConfigError(f"run_dir={run_dir}: {probe} is a file, not a directory; choose another run_dir=PATH")
     problem = _unwritable(probe)
     if problem:
-        raise ConfigError(f"run_dir={run_dir}: cannot write in {probe} ({problem}); choose a directory you can "
-                          f"write, e.g. run_dir=runs/my-run")
+        raise ConfigError(
+            f"run_dir={run_dir}: cannot write in {probe} ({problem}); choose a directory you can "
+            f"write, e.g. run_dir=runs/my-run"
+        )
 
 
 def _unwritable(directory: Path) -> str | None:
@@ -91,9 +95,11 @@ def check_float8_hardware(cfg: DictConfig) -> None:
                 if capability >= (8, 9):
                     return
                 where = f"CUDA compute capability {capability[0]}.{capability[1]}"
-        raise ConfigError(f"callbacks.{name}.emulate=false: Float8 needs FP8 units (CUDA compute capability >= 8.9) "
-                          f"and this run has {where}; set callbacks.{name}.emulate=true (the numerics, no speed-up) or "
-                          f"drop float8 from callbacks")
+        raise ConfigError(
+            f"callbacks.{name}.emulate=false: Float8 needs FP8 units (CUDA compute capability >= 8.9) "
+            f"and this run has {where}; set callbacks.{name}.emulate=true (the numerics, no speed-up) or "
+            f"drop float8 from callbacks"
+        )
 
 
 def check_data(cfg: DictConfig, model_vocab_size: int) -> None:
@@ -101,9 +107,11 @@ def check_data(cfg: DictConfig, model_vocab_size: int) -> None:
     data = cfg.data
     tok = data.get("tokenizer") or {}
     if tok.get("kind") == "bpe" and tok.get("vocab_size") is not None and int(tok.vocab_size) > model_vocab_size:
-        raise ConfigError(f"data.tokenizer.vocab_size={tok.vocab_size}: larger than model.vocab_size="
-                          f"{model_vocab_size}, token ids would index past the embedding; set "
-                          f"data.tokenizer.vocab_size<={model_vocab_size} or raise model.vocab_size")
+        raise ConfigError(
+            f"data.tokenizer.vocab_size={tok.vocab_size}: larger than model.vocab_size="
+            f"{model_vocab_size}, token ids would index past the embedding; set "
+            f"data.tokenizer.vocab_size<={model_vocab_size} or raise model.vocab_size"
+        )
     if tok.get("kind") == "hf" or (tok.get("kind") in (None, "shards") and tok.get("path")):
         check_tokenizer_file(tok.get("path"), model_vocab_size)
     corpus = str(data.corpus)
@@ -119,12 +127,16 @@ def check_data(cfg: DictConfig, model_vocab_size: int) -> None:
 def check_tokenizer_file(path: Any, model_vocab_size: int | None) -> None:
     """data.tokenizer.path loads as a tokenizer.json (and fits ``model_vocab_size`` when given)."""
     if not path:
-        raise ConfigError("data.tokenizer.path=null: data.tokenizer.kind=hf needs a tokenizer.json; set "
-                          "data.tokenizer.path=FILE (or data.tokenizer.kind=bpe to train one on the corpus)")
+        raise ConfigError(
+            "data.tokenizer.path=null: data.tokenizer.kind=hf needs a tokenizer.json; set "
+            "data.tokenizer.path=FILE (or data.tokenizer.kind=bpe to train one on the corpus)"
+        )
     file = Path(str(path)).expanduser()
     if not file.is_file():
-        raise ConfigError(f"data.tokenizer.path={path}: no such file; point it at a Hugging Face tokenizer.json "
-                          f"(or use data.tokenizer.kind=bpe)")
+        raise ConfigError(
+            f"data.tokenizer.path={path}: no such file; point it at a Hugging Face tokenizer.json "
+            f"(or use data.tokenizer.kind=bpe)"
+        )
     from lit_titan.data.tokenizers import HFTokenizer
 
     try:
@@ -132,12 +144,16 @@ def check_tokenizer_file(path: Any, model_vocab_size: int | None) -> None:
     except ValueError as err:  # loads, but has no end-of-text token: its own message names the fix
         raise ConfigError(f"data.tokenizer.path={path}: {one_line(err)}") from None
     except Exception as err:  # noqa: BLE001 - the tokenizers library raises its own Exception for a bad file
-        raise ConfigError(f"data.tokenizer.path={path}: not a tokenizer.json the tokenizers library can load "
-                          f"({one_line(err)[:160]}); point it at a Hugging Face tokenizer.json") from None
+        raise ConfigError(
+            f"data.tokenizer.path={path}: not a tokenizer.json the tokenizers library can load "
+            f"({one_line(err)[:160]}); point it at a Hugging Face tokenizer.json"
+        ) from None
     if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
-        raise ConfigError(f"data.tokenizer.path={path}: its vocabulary ({tokenizer.vocab_size} tokens) is larger "
-                          f"than model.vocab_size={model_vocab_size}; use a model with model.vocab_size>="
-                          f"{tokenizer.vocab_size} or a smaller tokenizer")
+        raise ConfigError(
+            f"data.tokenizer.path={path}: its vocabulary ({tokenizer.vocab_size} tokens) is larger "
+            f"than model.vocab_size={model_vocab_size}; use a model with model.vocab_size>="
+            f"{tokenizer.vocab_size} or a smaller tokenizer"
+        )
 
 
 def check_documents(cfg: DictConfig, *, one_batch: bool = True) -> None:
@@ -146,25 +162,34 @@ def check_documents(cfg: DictConfig, *, one_batch: bool = True) -> None:
 
     data = cfg.data
     if not data.get("path"):
-        raise ConfigError("data.path=null: data=text needs data.path=DIR, a directory or file of .txt/.jsonl "
-                          "documents")
+        raise ConfigError("data.path=null: data=text needs data.path=DIR, a directory or file of .txt/.jsonl documents")
     root = Path(str(data.path)).expanduser()
     if not root.exists():
-        raise ConfigError(f"data.path={data.path}: no such file or directory; set data.path=DIR to your "
-                          f".txt/.jsonl documents")
+        raise ConfigError(
+            f"data.path={data.path}: no such file or directory; set data.path=DIR to your .txt/.jsonl documents"
+        )
     try:
         corpus = text_corpus(root, data.get("max_bytes"))
     except (ValueError, OSError) as err:  # no documents, or only empty ones
         text = one_line(err)
-        what = ("no .txt/.jsonl documents there" if text.startswith("No documents") else
-                "every .txt/.jsonl document there is empty" if "are empty" in text else text)
-        raise ConfigError(f"data.path={data.path}: {what}; point data.path at a directory (or file) of non-empty "
-                          f".txt/.jsonl documents") from None
+        what = (
+            "no .txt/.jsonl documents there"
+            if text.startswith("No documents")
+            else "every .txt/.jsonl document there is empty"
+            if "are empty" in text
+            else text
+        )
+        raise ConfigError(
+            f"data.path={data.path}: {what}; point data.path at a directory (or file) of non-empty "
+            f".txt/.jsonl documents"
+        ) from None
     for f in corpus.files:
         with open(f, "rb") as fh:
             if b"\0" in fh.read(BINARY_PROBE_BYTES):
-                raise ConfigError(f"data.path={data.path}: {f} is a binary file, not text; remove it or point "
-                                  f"data.path at .txt/.jsonl documents only")
+                raise ConfigError(
+                    f"data.path={data.path}: {f} is a binary file, not text; remove it or point "
+                    f"data.path at .txt/.jsonl documents only"
+                )
     try:
         train, val = split_corpus(corpus, float(data.val_fraction))
         for f in (*train.files, *(val.files if val else ())):
@@ -180,13 +205,14 @@ def check_documents(cfg: DictConfig, *, one_batch: bool = True) -> None:
         return
     # Upper bound on the tokens: a byte-level BPE token covers >= 1 byte, plus one EOS per document
     # (at most one per file for .txt; a .jsonl line's JSON wrapping outweighs its EOS).
-    most_tokens = sum(min(f.stat().st_size, data.max_bytes or f.stat().st_size) for f in train.files) + \
-        len(train.files)
+    most_tokens = sum(min(f.stat().st_size, data.max_bytes or f.stat().st_size) for f in train.files) + len(train.files)
     need = int(data.global_batch_size) * int(data.seq_len) + 1
     if most_tokens < need:
-        raise ConfigError(f"data.path={data.path}: its training documents hold at most {most_tokens} tokens, fewer "
-                          f"than one global batch (data.global_batch_size x data.seq_len + 1 = {need}); add "
-                          f"documents or lower data.global_batch_size / data.seq_len")
+        raise ConfigError(
+            f"data.path={data.path}: its training documents hold at most {most_tokens} tokens, fewer "
+            f"than one global batch (data.global_batch_size x data.seq_len + 1 = {need}); add "
+            f"documents or lower data.global_batch_size / data.seq_len"
+        )
 
 
 def _check_prepared(setting: str, path: Any) -> None:
@@ -198,12 +224,22 @@ def _check_prepared(setting: str, path: Any) -> None:
         return
     root = Path(text).expanduser()
     if not root.is_dir():
-        raise ConfigError(f"{setting}={path}: no such directory; prepare one with `lit-titan prepare data=text "
-                          f"data.path=DOCS out={path}`")
+        raise ConfigError(
+            f"{setting}={path}: no such directory; prepare one with `lit-titan prepare data=text "
+            f"data.path=DOCS out={path}`"
+        )
     if not (root / "manifest.json").is_file():
-        raise ConfigError(f"{setting}={path}: no manifest.json, so not a prepared directory; run `lit-titan "
-                          f"prepare data=text data.path=DOCS out={path}` first")
+        raise ConfigError(
+            f"{setting}={path}: no manifest.json, so not a prepared directory; run `lit-titan "
+            f"prepare data=text data.path=DOCS out={path}` first"
+        )
 
 
-__all__ = ["check_inputs", "check_run_dir", "check_float8_hardware", "check_data", "check_documents",
-           "check_tokenizer_file"]
+__all__ = [
+    "check_inputs",
+    "check_run_dir",
+    "check_float8_hardware",
+    "check_data",
+    "check_documents",
+    "check_tokenizer_file",
+]

@@ -28,11 +28,15 @@ def targets(cfg: DictConfig) -> None:
     for group in ("logger", "callbacks"):
         for name, node in (cfg.get(group) or {}).items():
             if not isinstance(node, DictConfig) or "_target_" not in node:
-                raise ConfigError(f"{group}.{name}={node}: has no _target_; a {group} entry is a node like "
-                                  f"{{_target_: package.Class, ...}} (see conf/{group}/)")
+                raise ConfigError(
+                    f"{group}.{name}={node}: has no _target_; a {group} entry is a node like "
+                    f"{{_target_: package.Class, ...}} (see conf/{group}/)"
+                )
     profiler = cfg.get("profiler")
     if profiler is not None and (not isinstance(profiler, DictConfig) or "_target_" not in profiler):
-        raise ConfigError(f"profiler={profiler}: has no _target_; use profiler=simple|advanced|pytorch or a node with _target_")
+        raise ConfigError(
+            f"profiler={profiler}: has no _target_; use profiler=simple|advanced|pytorch or a node with _target_"
+        )
 
 
 def loss_chunks(cfg: DictConfig, args: ModelArgs) -> None:
@@ -47,24 +51,30 @@ def loss_chunks(cfg: DictConfig, args: ModelArgs) -> None:
 def seq_len_fits_model(cfg: DictConfig, args: ModelArgs) -> None:
     seq_len = int(cfg.data.seq_len)
     if seq_len > args.max_seq_len:
-        raise ConfigError(f"data.seq_len={seq_len}: exceeds the maximum sequence length {args.max_seq_len} of "
-                          f"{cfg.model.name}; use data.seq_len<={args.max_seq_len} or raise model.max_seq_len")
+        raise ConfigError(
+            f"data.seq_len={seq_len}: exceeds the maximum sequence length {args.max_seq_len} of "
+            f"{cfg.model.name}; use data.seq_len<={args.max_seq_len} or raise model.max_seq_len"
+        )
 
 
 def tokenizer_fits_model(cfg: DictConfig, args: ModelArgs) -> None:
     tok = cfg.data.get("tokenizer") or {}
     if tok.get("kind") == "bpe" and tok.get("vocab_size") is not None and int(tok.vocab_size) > args.vocab_size:
-        raise ConfigError(f"data.tokenizer.vocab_size={tok.vocab_size}: larger than model.vocab_size="
-                          f"{args.vocab_size}, token ids would index past the embedding; use "
-                          f"data.tokenizer.vocab_size<={args.vocab_size} or raise model.vocab_size")
+        raise ConfigError(
+            f"data.tokenizer.vocab_size={tok.vocab_size}: larger than model.vocab_size="
+            f"{args.vocab_size}, token ids would index past the embedding; use "
+            f"data.tokenizer.vocab_size<={args.vocab_size} or raise model.vocab_size"
+        )
 
 
 def sliding_window_fits_sequence(cfg: DictConfig, args: ModelArgs) -> None:
     seq_len = int(cfg.data.seq_len)
     window = getattr(args, "sliding_window", None)  # families without windowed attention lack the key
     if window is not None and window > seq_len:
-        raise ConfigError(f"model.sliding_window={window}: exceeds data.seq_len={seq_len} (the window "
-                          f"would be the whole sequence); lower model.sliding_window or set it to null for full attention")
+        raise ConfigError(
+            f"model.sliding_window={window}: exceeds data.seq_len={seq_len} (the window "
+            f"would be the whole sequence); lower model.sliding_window or set it to null for full attention"
+        )
 
 
 def hf_weights_match(cfg: DictConfig, args: ModelArgs) -> None:
@@ -94,19 +104,26 @@ def fault_drill(cfg: DictConfig) -> None:
     if fault.get("kill_rank") is None:
         return
     if fault.get("at_step") is None:
-        raise ConfigError(f"fault.at_step=null: fault.kill_rank={fault.kill_rank} needs the step to fail at; set "
-                          f"fault.at_step=N (1..{cfg.trainer.max_steps})")
+        raise ConfigError(
+            f"fault.at_step=null: fault.kill_rank={fault.kill_rank} needs the step to fail at; set "
+            f"fault.at_step=N (1..{cfg.trainer.max_steps})"
+        )
     if not 0 <= int(fault.kill_rank) < world:
-        raise ConfigError(f"fault.kill_rank={fault.kill_rank}: not a rank of this {world}-process job; use 0.."
-                          f"{world - 1}")
+        raise ConfigError(
+            f"fault.kill_rank={fault.kill_rank}: not a rank of this {world}-process job; use 0..{world - 1}"
+        )
     if int(fault.at_step) > int(cfg.trainer.max_steps):
-        raise ConfigError(f"fault.at_step={fault.at_step}: after the run's last step (trainer.max_steps="
-                          f"{cfg.trainer.max_steps}), so the drill never fires; use 1..{cfg.trainer.max_steps}")
+        raise ConfigError(
+            f"fault.at_step={fault.at_step}: after the run's last step (trainer.max_steps="
+            f"{cfg.trainer.max_steps}), so the drill never fires; use 1..{cfg.trainer.max_steps}"
+        )
     if fault.get("during_save") and not cfg.checkpoint.enabled:
         raise ConfigError("fault.during_save=true: there is no save to fail during; set checkpoint.enabled=true")
     if fault.get("stage_error") and not (cfg.checkpoint.enabled and cfg.checkpoint.get("async_save", True)):
-        raise ConfigError(f"fault.stage_error={fault.stage_error}: only asynchronous saves stage a copy; set "
-                          "checkpoint.enabled=true checkpoint.async_save=true")
+        raise ConfigError(
+            f"fault.stage_error={fault.stage_error}: only asynchronous saves stage a copy; set "
+            "checkpoint.enabled=true checkpoint.async_save=true"
+        )
 
 
 def preflight(cfg: DictConfig) -> None:
@@ -123,18 +140,24 @@ def profiler_windows(cfg: DictConfig) -> None:
         if str(node.get("_target_", "")).endswith(".Profiler"):
             steps = node.get("steps")
             try:
-                profile_windows(int(cfg.trainer.max_steps), list(steps) if steps is not None else None,
-                                node.get("every_n_steps"), int(node.get("active", 2)))
+                profile_windows(
+                    int(cfg.trainer.max_steps),
+                    list(steps) if steps is not None else None,
+                    node.get("every_n_steps"),
+                    int(node.get("active", 2)),
+                )
             except ValueError as err:
                 raise ConfigError(str(err)) from None
 
 
 def tied_embeddings_without_pipeline(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     if args.tie_embeddings and dims.pp > 1:
-        raise ConfigError(f"model.tie_embeddings=true: ({cfg.model.name}) not supported with parallel.pp={dims.pp}: "
-                          f"the embedding (first stage) and the output head (last stage) sit on different ranks, "
-                          f"and torch's pipeline schedules do not sum a shared weight's gradients across stages; "
-                          f"use parallel.pp=1 (FSDP/TP keep it tied) or model.tie_embeddings=false")
+        raise ConfigError(
+            f"model.tie_embeddings=true: ({cfg.model.name}) not supported with parallel.pp={dims.pp}: "
+            f"the embedding (first stage) and the output head (last stage) sit on different ranks, "
+            f"and torch's pipeline schedules do not sum a shared weight's gradients across stages; "
+            f"use parallel.pp=1 (FSDP/TP keep it tied) or model.tie_embeddings=false"
+        )
 
 
 def grad_reduce_scatter(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
@@ -150,22 +173,30 @@ def degrees_fit_model(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> N
 
 def document_masking(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     if cfg.data.get("document_masking") and dims.cp > 1:
-        raise ConfigError("data.document_masking=true: not supported with parallel.cp > 1 (CP's all-gather-KV "
-                          "attention receives no document ids and would need the block mask split per chunk); "
-                          "set data.document_masking=false or parallel.cp=1")
+        raise ConfigError(
+            "data.document_masking=true: not supported with parallel.cp > 1 (CP's all-gather-KV "
+            "attention receives no document ids and would need the block mask split per chunk); "
+            "set data.document_masking=false or parallel.cp=1"
+        )
     if cfg.data.get("document_positions") and dims.cp > 1:
-        raise ConfigError("data.document_positions=true: not supported with parallel.cp > 1 yet (CP shards the "
-                          "sequence and makes its own positions); set data.document_positions=false")
+        raise ConfigError(
+            "data.document_positions=true: not supported with parallel.cp > 1 yet (CP shards the "
+            "sequence and makes its own positions); set data.document_positions=false"
+        )
 
 
 def attention_backend(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     if getattr(args, "attention", "sdpa") == "flex" and str(cfg.cluster.get("accelerator", "")) == "cpu":
-        raise ConfigError("model.attention=flex: cannot train on CPU, torch's flex_attention has no CPU backward "
-                          "(torch 2.15); use model.attention=sdpa (document masking then uses a dense mask) "
-                          "or a GPU cluster profile")
+        raise ConfigError(
+            "model.attention=flex: cannot train on CPU, torch's flex_attention has no CPU backward "
+            "(torch 2.15); use model.attention=sdpa (document masking then uses a dense mask) "
+            "or a GPU cluster profile"
+        )
     if getattr(args, "attention", "sdpa") == "flex" and dims.cp > 1:
-        raise ConfigError("model.attention=flex: not supported with parallel.cp > 1 (CP's attention is SDPA); "
-                          "set model.attention=sdpa")
+        raise ConfigError(
+            "model.attention=flex: not supported with parallel.cp > 1 (CP's attention is SDPA); "
+            "set model.attention=sdpa"
+        )
 
 
 def pipeline_validation(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
@@ -173,9 +204,11 @@ def pipeline_validation(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) ->
     from lit_titan.strategies.settings import V_SHAPED
 
     if dims.pp > 1 and cfg.parallel.pp_schedule in V_SHAPED and cfg.trainer.limit_val_batches:
-        raise LayoutError(f"trainer.limit_val_batches={cfg.trainer.limit_val_batches}: validation under "
-                          f"parallel.pp_schedule={cfg.parallel.pp_schedule} fails in torch's schedule eval "
-                          f"(torch 2.14); set trainer.limit_val_batches=0 or use Interleaved1F1B")
+        raise LayoutError(
+            f"trainer.limit_val_batches={cfg.trainer.limit_val_batches}: validation under "
+            f"parallel.pp_schedule={cfg.parallel.pp_schedule} fails in torch's schedule eval "
+            f"(torch 2.14); set trainer.limit_val_batches=0 or use Interleaved1F1B"
+        )
 
 
 def launcher(cfg: DictConfig, launcher: DictConfig | None) -> None:
@@ -185,21 +218,33 @@ def launcher(cfg: DictConfig, launcher: DictConfig | None) -> None:
     nodes, tasks = int(launcher.nodes), int(launcher.tasks_per_node)
     world = world_size(cfg)
     if nodes * tasks != world:
-        raise ConfigError(f"hydra.launcher asks for {nodes} node(s) x {tasks} task(s) = {nodes * tasks} ranks but the "
-                          f"layout needs cluster.num_nodes x cluster.devices = {world}; drop the hydra.launcher.nodes/"
-                          f"tasks_per_node overrides (the profile fills them) or change the cluster profile")
+        raise ConfigError(
+            f"hydra.launcher asks for {nodes} node(s) x {tasks} task(s) = {nodes * tasks} ranks but the "
+            f"layout needs cluster.num_nodes x cluster.devices = {world}; drop the hydra.launcher.nodes/"
+            f"tasks_per_node overrides (the profile fills them) or change the cluster profile"
+        )
     gpus = cfg.cluster.get("gpus_per_node")
     if gpus is not None and cfg.cluster.accelerator in ("gpu", "cuda") and int(cfg.cluster.devices) > int(gpus):
-        raise ConfigError(f"cluster.devices={cfg.cluster.devices} ranks per node but the profile's nodes have "
-                          f"cluster.gpus_per_node={gpus}; set cluster.devices<={gpus} and raise cluster.num_nodes")
+        raise ConfigError(
+            f"cluster.devices={cfg.cluster.devices} ranks per node but the profile's nodes have "
+            f"cluster.gpus_per_node={gpus}; set cluster.devices<={gpus} and raise cluster.num_nodes"
+        )
     if "Local" in str(launcher.get("_target_", "")) and nodes != 1:
-        raise ConfigError(f"hydra/launcher=submitit_local runs one node, but cluster.num_nodes={nodes}; "
-                          f"set cluster.num_nodes=1 (or use hydra/launcher=submitit_slurm)")
+        raise ConfigError(
+            f"hydra/launcher=submitit_local runs one node, but cluster.num_nodes={nodes}; "
+            f"set cluster.num_nodes=1 (or use hydra/launcher=submitit_slurm)"
+        )
 
 
 # In the order ``spec.validate`` runs them (``targets`` first): with the model's arguments, the config
 # alone, then with the resolved degrees (the order decides which of two problems a user sees first).
 MODEL_RULES = (loss_chunks, seq_len_fits_model, tokenizer_fits_model, sliding_window_fits_sequence, hf_weights_match)
 CONFIG_RULES = (optimizer, fault_drill, preflight, profiler_windows)
-LAYOUT_RULES = (tied_embeddings_without_pipeline, grad_reduce_scatter, degrees_fit_model, document_masking,
-                attention_backend, pipeline_validation)
+LAYOUT_RULES = (
+    tied_embeddings_without_pipeline,
+    grad_reduce_scatter,
+    degrees_fit_model,
+    document_masking,
+    attention_backend,
+    pipeline_validation,
+)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -41,9 +41,16 @@ NONFINITE_ACTIONS = ("stop", "skip_step")
 OPTIMIZERS = ("adamw", "lamb")
 
 
-def key(*, ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-        choices: Sequence[Any] | None = None, check: Callable[[Any], str | None] | None = None,
-        allow: Sequence[Any] = ()) -> Any:
+def key(
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    choices: Sequence[Any] | None = None,
+    check: Callable[[Any], str | None] | None = None,
+    allow: Sequence[Any] = (),
+) -> Any:
     """A config key's rule: bounds (``ge``/``gt``/``le``/``lt``), ``choices``, or ``check(value)`` returning
     what is wrong (None: fine). ``allow``: extra values accepted outside the bounds (``dp_shard=-1``).
     None passes every rule (the field's ``Optional[...]`` type decides whether null is allowed)."""
@@ -76,8 +83,9 @@ def _non_empty_str(value: Any) -> str | None:
 def _errno_name(value: Any) -> str | None:
     import errno
 
-    return None if isinstance(value, str) and hasattr(errno, value) else \
-        "not an errno name; use e.g. ENOSPC, EACCES, EIO"
+    return (
+        None if isinstance(value, str) and hasattr(errno, value) else "not an errno name; use e.g. ENOSPC, EACCES, EIO"
+    )
 
 
 def _path_like(value: Any) -> str | None:
@@ -89,30 +97,30 @@ def _path_like(value: Any) -> str | None:
 class ModelSchema:  # conf/model/*.yaml
     name: str = key(check=_non_empty_str)
     vocab_size: int = key(ge=1)
-    dim: Optional[int] = key(ge=1)
-    n_layers: Optional[int] = key(ge=1)
-    n_heads: Optional[int] = key(ge=1)
-    n_kv_heads: Optional[int] = key(ge=1)
-    ffn_dim_multiplier: Optional[float] = key(gt=0)
-    multiple_of: Optional[int] = key(ge=1)
-    max_seq_len: Optional[int] = key(ge=1)
-    norm_eps: Optional[float] = key(gt=0)
-    rope_theta: Optional[float] = key(gt=0)
-    rope_scaling: Optional[Dict[str, float]] = key()
-    tie_embeddings: Optional[bool] = key()
-    attention: Optional[str] = key(choices=ATTENTIONS)
-    init_from_hf: Optional[str] = key()
+    dim: int | None = key(ge=1)
+    n_layers: int | None = key(ge=1)
+    n_heads: int | None = key(ge=1)
+    n_kv_heads: int | None = key(ge=1)
+    ffn_dim_multiplier: float | None = key(gt=0)
+    multiple_of: int | None = key(ge=1)
+    max_seq_len: int | None = key(ge=1)
+    norm_eps: float | None = key(gt=0)
+    rope_theta: float | None = key(gt=0)
+    rope_scaling: dict[str, float] | None = key()
+    tie_embeddings: bool | None = key()
+    attention: str | None = key(choices=ATTENTIONS)
+    init_from_hf: str | None = key()
     # architecture variants (conf/model/*.yaml):
-    parallel_block: Optional[bool] = key()
-    sliding_window: Optional[int] = key(ge=1)
-    window_pattern: Optional[int] = key(ge=1)
+    parallel_block: bool | None = key()
+    sliding_window: int | None = key(ge=1)
+    window_pattern: int | None = key(ge=1)
 
 
 @dataclass
 class TokenizerSchema:  # data.tokenizer
     kind: str = key(choices=TOKENIZER_KINDS)
-    path: Optional[str] = key()
-    vocab_size: Optional[int] = key(ge=1)
+    path: str | None = key()
+    vocab_size: int | None = key(ge=1)
 
 
 @dataclass
@@ -125,24 +133,24 @@ class SourceSchema:  # one entry of data.sources (data=mixture)
 class DataSchema:  # conf/data/*.yaml
     _target_: str = key(check=_non_empty_str)
     corpus: str = key(choices=CORPORA)
-    path: Optional[str] = key()
-    max_bytes: Optional[int] = key(ge=1)
+    path: str | None = key()
+    max_bytes: int | None = key(ge=1)
     seq_len: int = key(ge=1)
     global_batch_size: int = key(ge=1)
-    micro_batch_size: Optional[int] = key(ge=1)
+    micro_batch_size: int | None = key(ge=1)
     seed: int = key(ge=0)
     num_workers: int = key(ge=0)
-    pin_memory: Optional[bool] = key()
+    pin_memory: bool | None = key()
     shuffle: bool = key()
     shuffle_window: int = key(ge=1)
     chunk_tokens: int = key(ge=1)
     document_positions: bool = key()
     document_masking: bool = key()
-    storage_options: Optional[Dict[str, Any]] = key()
+    storage_options: dict[str, Any] | None = key()
     val_fraction: float = key(ge=0, lt=1)
     data_dir: str = key(check=_non_empty_str)
     tokenizer: TokenizerSchema = field(default_factory=TokenizerSchema)
-    sources: List[SourceSchema] = key()
+    sources: list[SourceSchema] = key()
 
 
 @dataclass
@@ -150,16 +158,19 @@ class OptimSchema:  # conf/optim/*.yaml
     name: str = key(choices=OPTIMIZERS)  # adamw | lamb
     lr: float = key(gt=0)
     min_lr_ratio: float = key(ge=0, le=1)
-    betas: List[float] = key(check=lambda v: None if len(v) == 2 and all(0 <= b < 1 for b in v)
-                             else "not two numbers in [0, 1); use e.g. [0.9, 0.95]")
+    betas: list[float] = key(
+        check=lambda v: (
+            None if len(v) == 2 and all(0 <= b < 1 for b in v) else "not two numbers in [0, 1); use e.g. [0.9, 0.95]"
+        )
+    )
     eps: float = key(gt=0)
     weight_decay: float = key(ge=0)
     warmup_steps: int = key(ge=0)
     schedule: str = key(choices=LR_SCHEDULES)
     decay_ratio: float = key(ge=0, le=1)
     total_steps: int = key(ge=1)
-    fused: Optional[bool] = key()
-    foreach: Optional[bool] = key()
+    fused: bool | None = key()
+    foreach: bool | None = key()
 
 
 @dataclass
@@ -169,30 +180,30 @@ class ClusterSchema:  # conf/cluster/*.yaml
     num_nodes: int = key(ge=1)
     launcher: str = key(choices=LAUNCHERS)
     precision: str = key(choices=PRECISIONS)
-    gpus_per_node: Optional[int] = key(ge=1)
-    hbm_gib: Optional[float] = key(gt=0)
-    hbm_gbps: Optional[float] = key(gt=0)
-    peak_bf16_tflops: Optional[float] = key(gt=0)
-    peak_fp32_tflops: Optional[float] = key(gt=0)
-    fp8: Optional[bool] = key()
-    intra_node_gbps: Optional[float] = key(gt=0)
-    inter_node_gbps: Optional[float] = key(gt=0)
-    cores_per_node: Optional[int] = key(ge=1)
+    gpus_per_node: int | None = key(ge=1)
+    hbm_gib: float | None = key(gt=0)
+    hbm_gbps: float | None = key(gt=0)
+    peak_bf16_tflops: float | None = key(gt=0)
+    peak_fp32_tflops: float | None = key(gt=0)
+    fp8: bool | None = key()
+    intra_node_gbps: float | None = key(gt=0)
+    inter_node_gbps: float | None = key(gt=0)
+    cores_per_node: int | None = key(ge=1)
     timeout_s: int = key(ge=1)
     log_every_n_steps: int = key(ge=1)
     data_workers: int = key(ge=0)
     flight_recorder_entries: int = key(ge=0)
     # optional profile keys (no yaml of ours sets them): launches (lit-titan launch, hydra/launcher=submitit_*)
-    max_restarts: Optional[int] = key(ge=0)
-    partition: Optional[str] = key(check=_non_empty_str)
-    account: Optional[str] = key(check=_non_empty_str)
-    qos: Optional[str] = key(check=_non_empty_str)
-    constraint: Optional[str] = key(check=_non_empty_str)
-    time_min: Optional[int] = key(ge=1)
-    cpus_per_task: Optional[int] = key(ge=1)
-    mem_gb: Optional[float] = key(gt=0)
-    sbatch: Optional[Dict[str, Any]] = key()
-    setup: Optional[List[str]] = key()
+    max_restarts: int | None = key(ge=0)
+    partition: str | None = key(check=_non_empty_str)
+    account: str | None = key(check=_non_empty_str)
+    qos: str | None = key(check=_non_empty_str)
+    constraint: str | None = key(check=_non_empty_str)
+    time_min: int | None = key(ge=1)
+    cpus_per_task: int | None = key(ge=1)
+    mem_gb: float | None = key(gt=0)
+    sbatch: dict[str, Any] | None = key()
+    setup: list[str] | None = key()
 
 
 @dataclass
@@ -203,7 +214,7 @@ class LossSchema:
 @dataclass
 class TrainerSchema:
     max_steps: int = key(ge=1)
-    gradient_clip_val: Optional[float] = key(ge=0)
+    gradient_clip_val: float | None = key(ge=0)
     log_every_n_steps: int = key(ge=1)
     limit_val_batches: Any = key(check=_number_or_fraction)
     val_check_interval: Any = key(check=_positive_number_or_fraction)
@@ -228,15 +239,15 @@ class NonFiniteSchema:  # the non-finite guard (lit_titan/callbacks/nonfinite.py
 
 @dataclass
 class FaultSchema:
-    kill_rank: Optional[int] = key(ge=0)
-    at_step: Optional[int] = key(ge=1)
+    kill_rank: int | None = key(ge=0)
+    at_step: int | None = key(ge=1)
     during_save: bool = key()
-    save_error: Optional[str] = key(check=_errno_name)
-    stage_error: Optional[str] = key(check=_errno_name)
+    save_error: str | None = key(check=_errno_name)
+    stage_error: str | None = key(check=_errno_name)
     pause: bool = key()
-    slow_rank: Optional[int] = key(ge=0)  # the pre-flight drill
+    slow_rank: int | None = key(ge=0)  # the pre-flight drill
     slow_factor: float = key(gt=0)
-    slow_link: Optional[str] = key(choices=("intra_node", "inter_node", "pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    slow_link: str | None = key(choices=("intra_node", "inter_node", "pp", "dp_replicate", "dp_shard", "cp", "tp"))
 
 
 @dataclass
@@ -250,10 +261,10 @@ class PreflightSchema:  # pre-flight diagnostics (lit_titan/observe/diagnostics.
 @dataclass
 class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydra's, checked by Hydra)
     seed: int = key(ge=0)
-    run_dir: Optional[str] = key()
+    run_dir: str | None = key()
     precision: str = key(choices=PRECISIONS)
     tf32: bool = key()
-    resume: Optional[str] = key(check=_non_empty_str)
+    resume: str | None = key(check=_non_empty_str)
     model: ModelSchema = field(default_factory=ModelSchema)
     data: DataSchema = field(default_factory=DataSchema)
     optim: OptimSchema = field(default_factory=OptimSchema)
@@ -266,9 +277,9 @@ class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydr
     fault: FaultSchema = field(default_factory=FaultSchema)
     preflight: PreflightSchema = field(default_factory=PreflightSchema)
     # _target_ nodes: each checked against TARGET_SCHEMAS[its _target_] (lit_titan.config.schema_check)
-    logger: Optional[Dict[str, Any]] = key()
-    callbacks: Optional[Dict[str, Any]] = key()
-    profiler: Optional[Dict[str, Any]] = key()
+    logger: dict[str, Any] | None = key()
+    callbacks: dict[str, Any] | None = key()
+    profiler: dict[str, Any] | None = key()
 
 
 # ---- _target_ nodes (conf/callbacks/, conf/logger/, conf/profiler/) --------------------------------------
@@ -284,7 +295,7 @@ class CompileSchema:
     _target_: str = key()
     fullgraph: bool = key()
     backend: str = key(check=_non_empty_str)
-    mode: Optional[str] = key(check=_non_empty_str)
+    mode: str | None = key(check=_non_empty_str)
     compile_loss: bool = key()
 
 
@@ -295,7 +306,7 @@ class Float8Schema:
     enable_fsdp_float8_all_gather: bool = key()
     precompute_scales: bool = key()
     emulate: bool = key()
-    filter_fqns: List[str] = key()
+    filter_fqns: list[str] = key()
     min_dim: int = key(ge=1)
     auto_filter_small_kn: bool = key()
     float8_tp: bool = key()
@@ -304,8 +315,10 @@ class Float8Schema:
 @dataclass
 class ProfilerCallbackSchema:
     _target_: str = key()
-    steps: Optional[List[int]] = key(check=lambda v: None if all(s >= 1 for s in v) else "steps count from 1; use e.g. [3, 4]")
-    every_n_steps: Optional[int] = key(ge=1)
+    steps: list[int] | None = key(
+        check=lambda v: None if all(s >= 1 for s in v) else "steps count from 1; use e.g. [3, 4]"
+    )
+    every_n_steps: int | None = key(ge=1)
     active: int = key(ge=1)
     warmup: int = key(ge=0)
     record_shapes: bool = key()
@@ -313,7 +326,7 @@ class ProfilerCallbackSchema:
     profile_memory: bool = key()
     memory_snapshot: bool = key()
     oom_snapshot: bool = key()
-    run_dir: Optional[str] = key(check=_path_like)
+    run_dir: str | None = key(check=_path_like)
 
 
 @dataclass
@@ -328,13 +341,13 @@ class ThroughputSchema:
     _target_: str = key()
     warmup_steps: int = key(ge=0)
     log_memory: bool = key()
-    peak_tflops: Optional[float] = key(gt=0)
+    peak_tflops: float | None = key(gt=0)
 
 
 @dataclass
 class TimelineSchema:
     _target_: str = key()
-    run_dir: Optional[str] = key(check=_path_like)
+    run_dir: str | None = key(check=_path_like)
 
 
 @dataclass
@@ -342,7 +355,7 @@ class WatchdogSchema:
     _target_: str = key()
     timeout_s: float = key(gt=0)
     first_step_timeout_s: float = key(gt=0)
-    run_dir: Optional[str] = key(check=_path_like)
+    run_dir: str | None = key(check=_path_like)
     exit_code: int = key(ge=1, le=255)
     exit_delay_s: float = key(ge=0)
     backstop_s: float = key(ge=0)
@@ -351,7 +364,7 @@ class WatchdogSchema:
 @dataclass
 class CSVLoggerSchema:
     _target_: str = key()
-    save_dir: Optional[str] = key(check=_path_like)  # null until run_dir is chosen
+    save_dir: str | None = key(check=_path_like)  # null until run_dir is chosen
     name: str = key()
     version: str = key()
 
@@ -364,7 +377,7 @@ class TensorBoardLoggerSchema(CSVLoggerSchema):
 @dataclass
 class WandbLoggerSchema:
     _target_: str = key()
-    save_dir: Optional[str] = key(check=_path_like)  # null until run_dir is chosen
+    save_dir: str | None = key(check=_path_like)  # null until run_dir is chosen
     project: str = key(check=_non_empty_str)
     offline: bool = key()
 
@@ -372,7 +385,7 @@ class WandbLoggerSchema:
 @dataclass
 class LightningProfilerSchema:  # Simple/Advanced/PyTorch profilers: the keys conf/profiler/ sets
     _target_: str = key()
-    dirpath: Optional[str] = key(check=_path_like)  # null until run_dir is chosen
+    dirpath: str | None = key(check=_path_like)  # null until run_dir is chosen
     filename: str = key(check=_non_empty_str)
 
 

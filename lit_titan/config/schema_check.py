@@ -51,16 +51,19 @@ def resolved(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
     except InterpolationResolutionError as err:
-        raise ConfigError(f"{err.full_key}: {one_line(err.msg)}; fix the ${{...}} reference or set "
-                          f"{err.full_key} to a value") from None
+        raise ConfigError(
+            f"{err.full_key}: {one_line(err.msg)}; fix the ${{...}} reference or set {err.full_key} to a value"
+        ) from None
 
 
 def check_target_node(node: Any, where: str) -> None:
     """A logger/callback/profiler node: a ``_target_`` whose keys its schema (or its class) accepts."""
     if not isinstance(node, dict) or "_target_" not in node:
         group = where.split(".")[0]
-        raise ConfigError(f"{where}={_show(node)}: has no _target_; a {group} entry is a node like "
-                          f"{{_target_: package.Class, ...}} (see conf/{group}/)")
+        raise ConfigError(
+            f"{where}={_show(node)}: has no _target_; a {group} entry is a node like "
+            f"{{_target_: package.Class, ...}} (see conf/{group}/)"
+        )
     target = str(node["_target_"])
     schema = TARGET_SCHEMAS.get(target)
     if schema is not None:
@@ -70,8 +73,10 @@ def check_target_node(node: Any, where: str) -> None:
     accepted = _signature_keys(target, where)  # a user's own class: its constructor says what it takes
     unknown = [k for k in node if k != "_target_" and accepted is not None and k not in accepted]
     if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}={_show(node[unknown[0]])}: {target} takes no argument "
-                          f"{unknown[0]!r}; use one of {', '.join(sorted(accepted)) or '(none)'}")
+        raise ConfigError(
+            f"{where}.{unknown[0]}={_show(node[unknown[0]])}: {target} takes no argument "
+            f"{unknown[0]!r}; use one of {', '.join(sorted(accepted)) or '(none)'}"
+        )
 
 
 def check_groups(schema: type, data: dict[str, Any], prefix: str) -> None:
@@ -94,8 +99,11 @@ def check_groups(schema: type, data: dict[str, Any], prefix: str) -> None:
             continue
         keys = [k.name for k in dataclasses.fields(kind)]
         meant = "enabled" if "enabled" in keys else keys[0] if len(keys) == 1 else None
-        hint = (f"did you mean {path}.{meant}={_show(value)}?" if meant else
-                f"set one of its keys instead ({', '.join(f'{path}.{k}' for k in keys)})")
+        hint = (
+            f"did you mean {path}.{meant}={_show(value)}?"
+            if meant
+            else f"set one of its keys instead ({', '.join(f'{path}.{k}' for k in keys)})"
+        )
         raise ConfigError(f"{path}={_show(value)}: {path} is a group of settings; {hint}")
 
 
@@ -129,13 +137,19 @@ def rule_problem(rule: dict[str, Any], value: Any) -> str | None:
             return problem
     if "choices" in rule and value not in rule["choices"]:
         return f"not an option; choose one of {', '.join(map(str, rule['choices']))}"
-    bounds = [("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
-              ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b)]
-    broken = [(sign, rule[name]) for name, sign, ok in bounds
-              if name in rule and isinstance(value, (int, float)) and not ok(value, rule[name])]
+    bounds = [
+        ("ge", ">=", lambda v, b: v >= b),
+        ("gt", ">", lambda v, b: v > b),
+        ("le", "<=", lambda v, b: v <= b),
+        ("lt", "<", lambda v, b: v < b),
+    ]
+    broken = [
+        (sign, rule[name])
+        for name, sign, ok in bounds
+        if name in rule and isinstance(value, (int, float)) and not ok(value, rule[name])
+    ]
     if broken:
-        valid = " and ".join(f"{sign} {_num(b)}" for name, sign, _ in bounds if name in rule
-                             for b in [rule[name]])
+        valid = " and ".join(f"{sign} {_num(b)}" for name, sign, _ in bounds if name in rule for b in [rule[name]])
         extra = f" (or {', '.join(map(str, rule['allow']))})" if rule.get("allow") else ""
         return f"out of range; use a value {valid}{extra}"
     return None
@@ -173,8 +187,10 @@ def compose_error_line(text: str, overrides: list[str], options: Callable[[str],
     if missing:
         key = missing.group(1)
         given = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), key)
-        return (f"{given}: {key} is not a config key; check its spelling (python -m lit_titan.train --cfg job lists "
-                f"every key); a new key needs a yaml line and one line in lit_titan/config/schema.py (docs/configuration.md)")
+        return (
+            f"{given}: {key} is not a config key; check its spelling (python -m lit_titan.train --cfg job lists "
+            f"every key); a new key needs a yaml line and one line in lit_titan/config/schema.py (docs/configuration.md)"
+        )
     group = re.search(r"Could not (?:find|load) '([^']+)'", text)
     if group:
         name = group.group(1)
@@ -183,8 +199,11 @@ def compose_error_line(text: str, overrides: list[str], options: Callable[[str],
             valid = options(parent)
         except Exception:  # noqa: BLE001 - the line is still useful without the list
             valid = []
-        return (f"{parent}={choice}: no such option" + (f"; choose one of {', '.join(valid)}" if valid else "") +
-                f" (your own files: --config-dir DIR with DIR/{parent}/NAME.yaml)")
+        return (
+            f"{parent}={choice}: no such option"
+            + (f"; choose one of {', '.join(valid)}" if valid else "")
+            + f" (your own files: --config-dir DIR with DIR/{parent}/NAME.yaml)"
+        )
     parse = re.search(r"Error parsing override '([^']+)'", text)
     if parse:
         return f"{parse.group(1)}: cannot parse this override; write KEY=VALUE (or group=option, +KEY=VALUE)"
@@ -207,15 +226,16 @@ def _merge(schema: type, data: dict[str, Any], prefix: str) -> None:
         full = prefix + str(err.full_key)
         node, name = _parent(schema, str(err.full_key))
         valid = ", ".join(f.name for f in dataclasses.fields(node)) if node else ""
-        raise ConfigError(f"{full}={_show(_lookup(data, str(err.full_key)))}: not a config key; check its spelling"
-                          + (f" (keys here: {valid})" if valid else "") +
-                          "; a new key needs one line in lit_titan/config/schema.py (docs/configuration.md)") from None
+        raise ConfigError(
+            f"{full}={_show(_lookup(data, str(err.full_key)))}: not a config key; check its spelling"
+            + (f" (keys here: {valid})" if valid else "")
+            + "; a new key needs one line in lit_titan/config/schema.py (docs/configuration.md)"
+        ) from None
     except (ValidationError, OmegaConfBaseException) as err:
         key = str(getattr(err, "full_key", "") or "")
         full = prefix + key
         kind = _type_of(schema, key)
-        raise ConfigError(f"{full}={_show(_lookup(data, key))}: wrong type; {full} takes {_type_name(kind)}") \
-            from None
+        raise ConfigError(f"{full}={_show(_lookup(data, key))}: wrong type; {full} takes {_type_name(kind)}") from None
 
 
 def _signature_keys(target: str, where: str) -> set[str] | None:
@@ -224,8 +244,10 @@ def _signature_keys(target: str, where: str) -> set[str] | None:
     try:
         obj = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(f"{where}._target_={target}: cannot be imported ({one_line(str(err))}); "
-                          f"give a full dotted path package.module.Class") from None
+        raise ConfigError(
+            f"{where}._target_={target}: cannot be imported ({one_line(str(err))}); "
+            f"give a full dotted path package.module.Class"
+        ) from None
     params = inspect.signature(obj).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
@@ -252,7 +274,7 @@ def _type_of(schema: type, dotted: str) -> Any:
 
 def _list_item_type(kind: Any) -> Any:
     args = [a for a in typing.get_args(kind) if a is not type(None)]
-    if typing.get_origin(kind) in (list, typing.List):
+    if typing.get_origin(kind) in (list, list):
         return args[0] if args else None
     if typing.get_origin(kind) is typing.Union and len(args) == 1:
         return _list_item_type(args[0])
@@ -266,9 +288,9 @@ def _type_name(kind: Any) -> str:
     if typing.get_origin(kind) is typing.Union and len(args) == 1:
         return f"{_type_name(args[0])} or null"
     origin = typing.get_origin(kind)
-    if origin in (list, typing.List):
+    if origin in (list, list):
         return "a list" + (f" of {_type_name(args[0])}" if args and args[0] is not Any else "")
-    if origin in (dict, typing.Dict):
+    if origin in (dict, dict):
         return "a mapping {key: value}"
     if dataclasses.is_dataclass(kind):
         return "a mapping {" + ", ".join(f.name for f in dataclasses.fields(kind)) + "}"
@@ -306,4 +328,12 @@ def _num(bound: float) -> str:
     return str(int(bound)) if float(bound).is_integer() else str(bound)
 
 
-__all__ = ["check_schema", "check_groups", "check_rules", "check_target_node", "field_types", "field_rule", "rule_problem"]
+__all__ = [
+    "check_schema",
+    "check_groups",
+    "check_rules",
+    "check_target_node",
+    "field_types",
+    "field_rule",
+    "rule_problem",
+]

@@ -64,8 +64,11 @@ def _build(cfg: DictConfig) -> JobSpec:
         args = model_args(cfg)
     except ValueError as err:  # the model's own argument checks (models/llama3/args.py)
         text = str(err)
-        raise ConfigError(text if "; " in text else f"{text}; change the model.* keys named (conf/model/"
-                                                    f"{cfg.model.name}.yaml has the flavor's)") from err
+        raise ConfigError(
+            text
+            if "; " in text
+            else f"{text}; change the model.* keys named (conf/model/{cfg.model.name}.yaml has the flavor's)"
+        ) from err
     rules.targets(cfg)
     for rule in rules.MODEL_RULES:
         rule(cfg, args)
@@ -79,8 +82,14 @@ def _build(cfg: DictConfig) -> JobSpec:
     if dims.pp > 1:
         pipeline = pipeline_config(cfg)
         pipeline.validate(pp=dims.pp, n_units=args.n_layers + 2, local_batch=batch.micro)
-    return JobSpec(model=args, dims=dims, batch=batch, pipeline=pipeline, seq_len=int(cfg.data.seq_len),
-                   precision=str(cfg.precision))
+    return JobSpec(
+        model=args,
+        dims=dims,
+        batch=batch,
+        pipeline=pipeline,
+        seq_len=int(cfg.data.seq_len),
+        precision=str(cfg.precision),
+    )
 
 
 # ---- the pieces of a JobSpec, each from the config's keys (also what the planner's search calls) ---------
@@ -106,8 +115,9 @@ def parallel_dims(cfg: DictConfig) -> ParallelDims:
     from lit_titan.strategies.parallel_dims import ParallelDims
 
     p = cfg.parallel
-    return ParallelDims.resolve(world_size(cfg), pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
-                                cp=p.cp, tp=p.tp)
+    return ParallelDims.resolve(
+        world_size(cfg), pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp
+    )
 
 
 def batch_layout(cfg: DictConfig, dims: ParallelDims, *, check: bool = True) -> BatchLayout:
@@ -121,6 +131,9 @@ def pipeline_config(cfg: DictConfig) -> PipelineConfig:
 
     p = cfg.parallel
     stages = p.get("pp_stages")
-    return PipelineConfig(schedule=p.pp_schedule, microbatches=p.pp_microbatches,
-                          stages_per_rank=p.get("pp_stages_per_rank"),
-                          stages=tuple(tuple(s) for s in stages) if stages else None)
+    return PipelineConfig(
+        schedule=p.pp_schedule,
+        microbatches=p.pp_microbatches,
+        stages_per_rank=p.get("pp_stages_per_rank"),
+        stages=tuple(tuple(s) for s in stages) if stages else None,
+    )

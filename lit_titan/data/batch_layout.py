@@ -40,6 +40,7 @@ class BatchLayout:
         if check and (micro < 1 or global_batch % (dp * micro)):
             raise ConfigError(
                 f"data.global_batch_size={global_batch}: not divisible by data-parallel size {dp} x micro-batch "
-                f"{micro}; use a multiple of {dp * max(micro, 1)} or change data.micro_batch_size")
+                f"{micro}; use a multiple of {dp * max(micro, 1)} or change data.micro_batch_size"
+            )
         micro = max(micro, 1)
         return cls(global_batch=global_batch, micro=micro, accumulation=max(global_batch // (dp * micro), 1), dp=dp)

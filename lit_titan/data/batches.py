@@ -36,9 +36,19 @@ class Rows:
 class GlobalBatches:
     """Sources + weights + global batch size -> the rows of any global step."""
 
-    def __init__(self, splits: Sequence[ShardSplit], weights: Sequence[float], *, seq_len: int, global_batch: int,
-                 seed: int, shuffle: bool = True, window: int = 2048, step: int = 0,
-                 consumed: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        splits: Sequence[ShardSplit],
+        weights: Sequence[float],
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        shuffle: bool = True,
+        window: int = 2048,
+        step: int = 0,
+        consumed: Sequence[int] | None = None,
+    ) -> None:
         self.splits = list(splits)
         self.seq_len, self.global_batch = int(seq_len), int(global_batch)
         self.blend = Blend(weights, global_batch, step=step, consumed=consumed)
@@ -50,8 +60,11 @@ class GlobalBatches:
                 streams = self.global_batch
             else:
                 streams = max(1, int(self.blend.weights[i] * self.global_batch))
-            self.orders.append(SourceOrder(split.samples_per_chunk(seq_len), seed=seed, streams=streams,
-                                           window=window, shuffle=shuffle, salt=i))
+            self.orders.append(
+                SourceOrder(
+                    split.samples_per_chunk(seq_len), seed=seed, streams=streams, window=window, shuffle=shuffle, salt=i
+                )
+            )
         self._last_use: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._open_epoch: dict[tuple[int, int], int] = {}
 
@@ -117,9 +130,17 @@ class RankMicroBatches(Dataset):
     workers receive indices from the main process and cannot change the order.
     """
 
-    def __init__(self, batches: GlobalBatches, *, dp_rank: int, dp_size: int, micro_batch_size: int,
-                 release_margin_steps: int = 2, positions_eos_id: int | None = None,
-                 documents_eos_id: int | None = None) -> None:
+    def __init__(
+        self,
+        batches: GlobalBatches,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        release_margin_steps: int = 2,
+        positions_eos_id: int | None = None,
+        documents_eos_id: int | None = None,
+    ) -> None:
         self.batches = batches
         self.positions_eos_id = positions_eos_id
         self.documents_eos_id = documents_eos_id

@@ -101,8 +101,9 @@ def read_documents(path: Path) -> Iterator[str]:
                 try:
                     text = json.loads(line).get("text", "")
                 except (json.JSONDecodeError, AttributeError) as e:
-                    raise ValueError(f"{path}:{lineno}: not a JSON object with a 'text' field ({e}); fix or "
-                                     "remove that line") from e
+                    raise ValueError(
+                        f"{path}:{lineno}: not a JSON object with a 'text' field ({e}); fix or remove that line"
+                    ) from e
                 if str(text).strip():
                     yield str(text)
     else:
@@ -180,7 +181,9 @@ def _checked(corpus: Corpus, where: str) -> Corpus:
     return corpus
 
 
-def load_corpus(kind: str, path: str | os.PathLike[str] | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> Corpus:
+def load_corpus(
+    kind: str, path: str | os.PathLike[str] | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES
+) -> Corpus:
     """Config-facing factory for ``data.corpus`` / ``data.path`` / ``data.max_bytes``."""
     if kind == "stdlib":
         return stdlib_corpus(max_bytes)

@@ -21,14 +21,14 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lit_titan.data.batches import FixedSampler, GlobalBatches, RankMicroBatches, StepSampler
 from lit_titan.data.batch_layout import BatchLayout
+from lit_titan.data.batches import FixedSampler, GlobalBatches, RankMicroBatches, StepSampler
 from lit_titan.data.checks import SHARD_KINDS, check_settings
 from lit_titan.data.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus, split_corpus
 from lit_titan.data.prepare import prepare_shards
 from lit_titan.data.shards import ShardSplit, is_remote
-from lit_titan.data.step_ahead import StepAheadLoader
 from lit_titan.data.sources import Source, check_tokenizer, data_fingerprint, open_sources, shards_tokenizer
+from lit_titan.data.step_ahead import StepAheadLoader
 from lit_titan.data.tokenizers import TOKENIZER_KINDS, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_fingerprint
 from lit_titan.errors import ConfigError
 
@@ -105,8 +105,15 @@ class PretrainDataModule(L.LightningDataModule):
 
     # ---- validation (cheap; runs before any tokenization or process group) -------------
     def _validate_static(self) -> None:
-        check_settings(self.corpus_kind, self.path, self.seq_len, self.global_batch_size, self._micro_batch_size,
-                       self.val_fraction, self.shuffle_window)
+        check_settings(
+            self.corpus_kind,
+            self.path,
+            self.seq_len,
+            self.global_batch_size,
+            self._micro_batch_size,
+            self.val_fraction,
+            self.shuffle_window,
+        )
         if self._dp_override[1] is not None:
             self.batch_layout(self._dp_override[1])
         if self.corpus_kind in SHARD_KINDS:
@@ -126,8 +133,10 @@ class PretrainDataModule(L.LightningDataModule):
     def _open_shard_sources(self) -> None:
         if self.corpus_kind == "tokens":
             if not self.path:
-                raise ConfigError("data=tokens needs data.path=DIR or data.path=s3://BUCKET/PREFIX (a prepared "
-                                  "directory: `lit-titan prepare out=DIR`)")
+                raise ConfigError(
+                    "data=tokens needs data.path=DIR or data.path=s3://BUCKET/PREFIX (a prepared "
+                    "directory: `lit-titan prepare out=DIR`)"
+                )
             specs = [{"path": self.path}]
         else:
             if not self._source_specs:
@@ -135,9 +144,11 @@ class PretrainDataModule(L.LightningDataModule):
             specs = self._source_specs
         kind = self._tok_cfg.get("kind") if self._tokenizer is None else "object"
         if kind not in ("shards", "hf", "object", None):
-            raise ConfigError(f"data.tokenizer.kind={kind} does not apply to prepared shards (data={self.corpus_kind}): "
-                              "use kind=shards (the shards' own tokenizer) or kind=hf with the tokenizer.json they "
-                              "were prepared with")
+            raise ConfigError(
+                f"data.tokenizer.kind={kind} does not apply to prepared shards (data={self.corpus_kind}): "
+                "use kind=shards (the shards' own tokenizer) or kind=hf with the tokenizer.json they "
+                "were prepared with"
+            )
         self._sources = open_sources(specs, self.storage_options)
         if kind in ("hf", "object"):
             run_tok = self._tokenizer or HFTokenizer(self._tok_cfg.get("path") or "")
@@ -215,10 +226,13 @@ class PretrainDataModule(L.LightningDataModule):
                 self._tokenizer = shards_tokenizer(self._sources[0], self.data_dir / "chunks")
             else:
                 self._tokenizer = build_tokenizer(
-                    kind=self._tok_cfg["kind"], path=self._tok_cfg.get("path"),
+                    kind=self._tok_cfg["kind"],
+                    path=self._tok_cfg.get("path"),
                     vocab_size=int(self._tok_cfg["vocab_size"]),
                     corpus=self.train_corpus,  # never sees the validation documents
-                    cache_dir=self.data_dir / "tokenizers", allow_train=allow_train)
+                    cache_dir=self.data_dir / "tokenizers",
+                    allow_train=allow_train,
+                )
             self.timings["tokenizer_s"] = time.perf_counter() - start
             self._check_vocab(self._tokenizer.vocab_size)
         return self._tokenizer
@@ -230,8 +244,15 @@ class PretrainDataModule(L.LightningDataModule):
     def shards_path(self) -> Path:
         """Where the documents' shards are prepared, keyed by both splits' files and the tokenizer."""
         val = self.val_corpus
-        key = json.dumps([CACHE_FORMAT_VERSION, self.train_corpus.fingerprint, val.fingerprint if val else None,
-                          tokenizer_fingerprint(self.tokenizer), self.chunk_tokens])
+        key = json.dumps(
+            [
+                CACHE_FORMAT_VERSION,
+                self.train_corpus.fingerprint,
+                val.fingerprint if val else None,
+                tokenizer_fingerprint(self.tokenizer),
+                self.chunk_tokens,
+            ]
+        )
         return self.data_dir / "shards" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
     # ---- Lightning hooks -------------------------------------------------------------
@@ -259,7 +280,8 @@ class PretrainDataModule(L.LightningDataModule):
                     raise RuntimeError(
                         f"Prepared shards {out} are missing on this rank: prepare_data() must run first (Lightning "
                         "runs it on local rank 0); on multi-node without a shared data.data_dir set "
-                        "prepare_data_per_node.")
+                        "prepare_data_per_node."
+                    )
                 self.prepare_data()
             return open_sources([{"path": str(out)}], None)
         return self._sources
@@ -274,9 +296,11 @@ class PretrainDataModule(L.LightningDataModule):
         self.train_splits = [s.split("train", cache) for s in sources]  # type: ignore[misc]
         for source, split in zip(sources, self.train_splits):
             if len(sources) > 1 and int(split.samples_per_chunk(self.seq_len).sum()) == 0:
-                raise ConfigError(f"{source.setting}={source.path} holds no sample of data.seq_len+1="
-                                  f"{self.seq_len + 1} tokens (chunks of {int(split.chunk_tokens.max())} tokens at "
-                                  "most); lower data.seq_len or prepare with larger chunk_tokens")
+                raise ConfigError(
+                    f"{source.setting}={source.path} holds no sample of data.seq_len+1="
+                    f"{self.seq_len + 1} tokens (chunks of {int(split.chunk_tokens.max())} tokens at "
+                    "most); lower data.seq_len or prepare with larger chunk_tokens"
+                )
         self.weights = [s.weight for s in sources]
         self.source_names = [s.name for s in sources]
         self.fingerprint = data_fingerprint(sources, self.seq_len)
@@ -298,15 +322,24 @@ class PretrainDataModule(L.LightningDataModule):
                 rank_zero_warn(
                     f"The validation split yields {val_samples} sequences, fewer than one validation batch "
                     f"(dp_size x micro_batch_size = {dp_size * micro}): no validation batches. Raise "
-                    "data.val_fraction or add documents.")
+                    "data.val_fraction or add documents."
+                )
         self._dp = (dp_rank, dp_size)
         self._layout = layout
         self._micro = micro
 
     def _global_batches(self, step: int, consumed: list[int] | None) -> GlobalBatches:
-        return GlobalBatches(self.train_splits, self.weights, seq_len=self.seq_len,
-                             global_batch=self.global_batch_size, seed=self.seed, shuffle=self.shuffle,
-                             window=int(self.shuffle_window), step=step, consumed=consumed)
+        return GlobalBatches(
+            self.train_splits,
+            self.weights,
+            seq_len=self.seq_len,
+            global_batch=self.global_batch_size,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            window=int(self.shuffle_window),
+            step=step,
+            consumed=consumed,
+        )
 
     def train_dataloader(self) -> DataLoader:
         if not self.train_splits:
@@ -314,10 +347,15 @@ class PretrainDataModule(L.LightningDataModule):
         step = int(self._resume["step"]) if self._resume else 0
         self.train_batches = self._global_batches(step, self._resume["consumed"] if self._resume else None)
         dp_rank, dp_size = self._dp
-        dataset = RankMicroBatches(self.train_batches, dp_rank=dp_rank, dp_size=dp_size,
-                                   micro_batch_size=self._micro,
-                                   release_margin_steps=2 + (2 * self.num_workers) // max(1, self._accumulation()),
-                                   positions_eos_id=self._eos_id(), documents_eos_id=self._documents_eos_id())
+        dataset = RankMicroBatches(
+            self.train_batches,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            micro_batch_size=self._micro,
+            release_margin_steps=2 + (2 * self.num_workers) // max(1, self._accumulation()),
+            positions_eos_id=self._eos_id(),
+            documents_eos_id=self._documents_eos_id(),
+        )
         # One Lightning epoch: the whole run when it is bounded by max_steps, else one pass over the data.
         max_steps = getattr(self.trainer, "max_steps", -1) if self.trainer is not None else -1
         steps = max_steps if max_steps and max_steps > 0 else self.train_batches.steps_per_epoch
@@ -347,20 +385,32 @@ class PretrainDataModule(L.LightningDataModule):
             return []
         dp_rank, dp_size = self._dp
         batch = dp_size * self._micro
-        batches = GlobalBatches([self.val_split], [1.0], seq_len=self.seq_len, global_batch=batch, seed=0,
-                                shuffle=False)
+        batches = GlobalBatches(
+            [self.val_split], [1.0], seq_len=self.seq_len, global_batch=batch, seed=0, shuffle=False
+        )
         steps = batches.orders[0].per_epoch // batch
-        dataset = RankMicroBatches(batches, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=self._micro,
-                                   positions_eos_id=self._eos_id(), documents_eos_id=self._documents_eos_id())
+        dataset = RankMicroBatches(
+            batches,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            micro_batch_size=self._micro,
+            positions_eos_id=self._eos_id(),
+            documents_eos_id=self._documents_eos_id(),
+        )
         return self._loader(dataset, FixedSampler(range(steps)))
 
     def _loader(self, dataset: RankMicroBatches, sampler: Any, kind: type[DataLoader] = DataLoader) -> DataLoader:
         # Persistent workers: the sampler (and so the order) lives in this process, and a spawned
         # worker (remote data) costs seconds of imports, which a new epoch should not pay again.
-        return kind(dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
-                          pin_memory=self._pin_memory(), persistent_workers=self.num_workers > 0,
-                          multiprocessing_context="spawn" if self.num_workers and is_remote(
-                              self.train_splits[0].root) else None)
+        return kind(
+            dataset,
+            batch_size=None,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=self._pin_memory(),
+            persistent_workers=self.num_workers > 0,
+            multiprocessing_context="spawn" if self.num_workers and is_remote(self.train_splits[0].root) else None,
+        )
 
     def _pin_memory(self) -> bool:
         """``pin_memory``, or by default: whether the batches go to a CUDA device.
@@ -380,10 +430,16 @@ class PretrainDataModule(L.LightningDataModule):
     def data_state(self, step: int) -> dict[str, Any]:
         """The data position before global step ``step``: < 1 KiB, layout-independent."""
         batches = self.train_batches or self._global_batches(0, None)
-        return {"version": STATE_VERSION, "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch_size": self.global_batch_size, "step": int(step),
-                "consumed": [int(c) for c in batches.blend.consumed_at(step)], "fingerprint": self.fingerprint,
-                "sources": self.source_names}
+        return {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "step": int(step),
+            "consumed": [int(c) for c in batches.blend.consumed_at(step)],
+            "fingerprint": self.fingerprint,
+            "sources": self.source_names,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         if not self.train_splits or self.trainer is None:
@@ -394,19 +450,23 @@ class PretrainDataModule(L.LightningDataModule):
         if not state_dict:
             return
         if int(state_dict.get("version", 0)) != STATE_VERSION:
-            raise ConfigError("this checkpoint's data state comes from an older data pipeline and cannot place the "
-                              "next batch exactly; resume with the version that wrote it, or start a new run_dir")
+            raise ConfigError(
+                "this checkpoint's data state comes from an older data pipeline and cannot place the "
+                "next batch exactly; resume with the version that wrote it, or start a new run_dir"
+            )
         if not self.train_splits:
             self.setup("fit")
         if state_dict["fingerprint"] != self.fingerprint:
             raise ConfigError(
                 f"the checkpoint was trained on other data or another data.seq_len (data fingerprint "
                 f"{state_dict['fingerprint']}, now {self.fingerprint}: sources {state_dict.get('sources')}, seq_len "
-                f"{state_dict.get('seq_len')}); resume with the same data and data.seq_len, or start a new run_dir")
+                f"{state_dict.get('seq_len')}); resume with the same data and data.seq_len, or start a new run_dir"
+            )
         if int(state_dict["global_batch_size"]) != self.global_batch_size:
             raise ConfigError(
                 f"the checkpoint was trained with data.global_batch_size={state_dict['global_batch_size']} (now "
-                f"{self.global_batch_size}); the global order depends on it: set it back to resume exactly")
+                f"{self.global_batch_size}); the global order depends on it: set it back to resume exactly"
+            )
         if int(state_dict["seed"]) != self.seed:
             rank_zero_info(f"resume: seed {state_dict['seed']} -> {self.seed} changes the order of the coming epochs")
         self._resume = dict(state_dict)

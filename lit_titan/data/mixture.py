@@ -33,8 +33,9 @@ def normalized_weights(weights: Sequence[float]) -> np.ndarray:
 class Blend:
     """Per-step sample counts of each source, computed forward from a known cumulative state."""
 
-    def __init__(self, weights: Sequence[float], global_batch: int, *, step: int = 0,
-                 consumed: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, weights: Sequence[float], global_batch: int, *, step: int = 0, consumed: Sequence[int] | None = None
+    ) -> None:
         self.weights = normalized_weights(weights)
         self.global_batch = int(global_batch)
         target = self.weights * self.global_batch
@@ -42,8 +43,11 @@ class Blend:
         self.frac = np.maximum(target - self.base, 0.0)
         self.extra = int(self.global_batch - self.base.sum())
         self._step = int(step)
-        self._consumed = (np.zeros(len(self.weights), dtype=np.int64) if consumed is None
-                          else np.asarray(consumed, dtype=np.int64).copy())
+        self._consumed = (
+            np.zeros(len(self.weights), dtype=np.int64)
+            if consumed is None
+            else np.asarray(consumed, dtype=np.int64).copy()
+        )
         if len(self._consumed) != len(self.weights):
             raise ValueError("consumed counts and weights differ in length")
         self._origin = (self._step, self._consumed.copy())

@@ -33,8 +33,9 @@ _PERM_CACHE = 4096
 class SourceOrder:
     """Positions -> ``(chunk, sample)`` for one source (see the module notes)."""
 
-    def __init__(self, chunk_samples: np.ndarray, *, seed: int, streams: int, window: int, shuffle: bool = True,
-                 salt: int = 0) -> None:
+    def __init__(
+        self, chunk_samples: np.ndarray, *, seed: int, streams: int, window: int, shuffle: bool = True, salt: int = 0
+    ) -> None:
         self.chunk_samples = np.asarray(chunk_samples, dtype=np.int64)
         self.seed, self.salt, self.shuffle = int(seed), int(salt), bool(shuffle)
         self.total = int(self.chunk_samples.sum())
@@ -53,8 +54,11 @@ class SourceOrder:
         got = self._layouts.get(epoch)
         if got is None:
             n = len(self.chunk_samples)
-            perm = (np.random.default_rng([self.seed, self.salt, epoch]).permutation(n) if self.shuffle
-                    else np.arange(n, dtype=np.int64))
+            perm = (
+                np.random.default_rng([self.seed, self.salt, epoch]).permutation(n)
+                if self.shuffle
+                else np.arange(n, dtype=np.int64)
+            )
             starts = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(self.chunk_samples[perm], out=starts[1:])
             got = (perm, starts)
@@ -86,7 +90,9 @@ class SourceOrder:
         win, within = np.divmod(idx, self.window)
         shuffled = np.empty_like(idx)
         for i in range(len(q)):
-            shuffled[i] = win[i] * self.window + self._window_perm(int(epoch[i]), int(stream[i]), int(win[i]))[within[i]]
+            shuffled[i] = (
+                win[i] * self.window + self._window_perm(int(epoch[i]), int(stream[i]), int(win[i]))[within[i]]
+            )
         return epoch, stream * self.stream_len + shuffled
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

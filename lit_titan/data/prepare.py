@@ -102,19 +102,26 @@ class _TokenizeFile:
 
 def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any]:
     """What the manifest records of a tokenizer; training compares ``fingerprint``."""
-    return {"fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": int(tokenizer.vocab_size),
-            "eos_id": int(tokenizer.eos_id)}
+    return {
+        "fingerprint": tokenizer_fingerprint(tokenizer),
+        "vocab_size": int(tokenizer.vocab_size),
+        "eos_id": int(tokenizer.eos_id),
+    }
 
 
-def _write_split(files: tuple[Path, ...], tokenizer: Tokenizer, out: Path, chunk_tokens: int, num_workers: int,
-                 progress: bool) -> dict[str, int]:
+def _write_split(
+    files: tuple[Path, ...], tokenizer: Tokenizer, out: Path, chunk_tokens: int, num_workers: int, progress: bool
+) -> dict[str, int]:
     from litdata import optimize
     from litdata.streaming.item_loader import TokensLoader
 
     workers = max(1, min(num_workers, len(files)))
     if progress:
-        print(f"{out.name}: tokenizing {len(files)} files with {workers} worker{'s' * (workers > 1)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"{out.name}: tokenizing {len(files)} files with {workers} worker{'s' * (workers > 1)}",
+            file=sys.stderr,
+            flush=True,
+        )
     # litdata prints a dozen set-up lines to stdout; its progress bar (tqdm, on stderr) is what we want.
     errors = out.with_name(f".{out.name}-errors")
     errors.mkdir()
@@ -163,13 +170,15 @@ def check_out_dir(out_dir: str | os.PathLike[str]) -> Path:
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file; choose a directory for out=")
     if out.is_dir() and read_manifest(out) is None and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not a prepared shard directory (no {MANIFEST}); choose an empty "
-                              "or new out= directory")
+        raise FileExistsError(
+            f"{out} exists and is not a prepared shard directory (no {MANIFEST}); choose an empty or new out= directory"
+        )
     return out
 
 
-def current_manifest(out_dir: str | os.PathLike[str], train: Corpus, val: Corpus | None, tokenizer: Tokenizer,
-                     chunk_tokens: int) -> dict[str, Any] | None:
+def current_manifest(
+    out_dir: str | os.PathLike[str], train: Corpus, val: Corpus | None, tokenizer: Tokenizer, chunk_tokens: int
+) -> dict[str, Any] | None:
     """The manifest of ``out_dir`` if it already holds exactly these shards, else ``None``.
 
     Up to date means the same input files (paths, sizes, mtimes, split), tokenizer (content hash)
@@ -177,9 +186,15 @@ def current_manifest(out_dir: str | os.PathLike[str], train: Corpus, val: Corpus
     """
     current = read_manifest(out_dir)
     inputs = {"train": train.fingerprint, "val": val.fingerprint if val is not None else None}
-    if current is not None and current.get("format") == FORMAT and current.get("version") == FORMAT_VERSION and (
-        current.get("inputs") == inputs and current.get("tokenizer") == tokenizer_identity(tokenizer)
-        and current.get("chunk_tokens") == chunk_tokens
+    if (
+        current is not None
+        and current.get("format") == FORMAT
+        and current.get("version") == FORMAT_VERSION
+        and (
+            current.get("inputs") == inputs
+            and current.get("tokenizer") == tokenizer_identity(tokenizer)
+            and current.get("chunk_tokens") == chunk_tokens
+        )
     ):
         return current
     return None
@@ -218,9 +233,17 @@ def prepare_shards(
         if isinstance(tokenizer, HFTokenizer):
             shutil.copyfile(tokenizer.path, tmp / TOKENIZER_FILE)
         inputs = {"train": train.fingerprint, "val": val.fingerprint if val is not None else None}
-        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": tokenizer_identity(tokenizer),
-                    "dtype": "int32", "chunk_tokens": chunk_tokens, "inputs": inputs, "corpus": str(train.root),
-                    "splits": splits, "source": dict(source or {})}
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "tokenizer": tokenizer_identity(tokenizer),
+            "dtype": "int32",
+            "chunk_tokens": chunk_tokens,
+            "inputs": inputs,
+            "corpus": str(train.root),
+            "splits": splits,
+            "source": dict(source or {}),
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if out.exists():
             shutil.rmtree(out)  # stale: other inputs or tokenizer

@@ -28,8 +28,9 @@ from lit_titan.errors import ConfigError
 
 MANIFEST = "manifest.json"  # == lit_titan.data.prepare.MANIFEST (not imported: prepare pulls in torch)
 _ENDPOINT_KEYS = "AWS_ENDPOINT_URL (or data.storage_options.endpoint_url)"
-_CREDENTIAL_KEYS = ("AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or data.storage_options.aws_access_key_id/"
-                    "aws_secret_access_key)")
+_CREDENTIAL_KEYS = (
+    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or data.storage_options.aws_access_key_id/aws_secret_access_key)"
+)
 # Chunk downloads and uploads: patient with a slow store, yet bounded against a dead one.
 _TRANSFER_TIMEOUT_S = 60.0
 _TRANSFER_ATTEMPTS = 5
@@ -90,7 +91,7 @@ class _Options:
 def _downloader(storage_options: dict | None, timeout_s: float, attempts: int) -> Any:
     downloader = _cached_downloader(os.getpid(), _Options(storage_options), timeout_s, attempts)
     try:
-        downloader._client.client  # built lazily by litdata: surface a bad setting here, as one line
+        downloader._client.client  # noqa: B018 - built lazily by litdata: surface a bad setting here, as one line
     except (TypeError, ValueError) as e:  # an unknown keyword, a malformed endpoint URL
         names = sorted(storage_options or {})  # names only: values may be secrets
         raise ConfigError(f"data.storage_options (keys {names}) is not a valid S3 client setting: {e}") from None
@@ -120,15 +121,22 @@ def _cached_downloader(pid: int, storage_options: _Options, timeout_s: float, at
                 "allow_http"
             ):
                 config = {k: v for k, v in store.config.items() if k != "bucket"}  # given positionally
-                store = S3Store(bucket, config=config, credential_provider=store.credential_provider,
-                                client_options={**store.client_options, "allow_http": True})
+                store = S3Store(
+                    bucket,
+                    config=config,
+                    credential_provider=store.credential_provider,
+                    client_options={**store.client_options, "allow_http": True},
+                )
                 self._store = store
             return store
 
     options = dict(storage_options.options)
-    options.setdefault("config", botocore.config.Config(
-        connect_timeout=timeout_s, read_timeout=timeout_s,
-        retries={"max_attempts": attempts, "mode": "standard"}))
+    options.setdefault(
+        "config",
+        botocore.config.Config(
+            connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": attempts, "mode": "standard"}
+        ),
+    )
     return _Downloader("s3://", "", [], storage_options=options)
 
 
@@ -137,8 +145,12 @@ def _client(storage_options: dict | None, timeout_s: float, attempts: int) -> An
 
 
 def _endpoint(storage_options: dict | None) -> str:
-    return str((storage_options or {}).get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3")
-               or os.environ.get("AWS_ENDPOINT_URL") or "the AWS default endpoint")
+    return str(
+        (storage_options or {}).get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or "the AWS default endpoint"
+    )
 
 
 def _explain(exc: BaseException, url: str, storage_options: dict | None) -> ConfigError | None:
@@ -148,10 +160,13 @@ def _explain(exc: BaseException, url: str, storage_options: dict | None) -> Conf
 
     bucket, key = _split(url)
     endpoint = _endpoint(storage_options)
-    unreachable = (f"cannot reach the S3 endpoint {endpoint} for {url} ({type(exc).__name__}): set "
-                   f"{_ENDPOINT_KEYS} to a reachable S3-compatible endpoint")
-    if isinstance(exc, (be.EndpointConnectionError, be.ConnectTimeoutError, be.ReadTimeoutError,
-                        be.ConnectionClosedError)):
+    unreachable = (
+        f"cannot reach the S3 endpoint {endpoint} for {url} ({type(exc).__name__}): set "
+        f"{_ENDPOINT_KEYS} to a reachable S3-compatible endpoint"
+    )
+    if isinstance(
+        exc, (be.EndpointConnectionError, be.ConnectTimeoutError, be.ReadTimeoutError, be.ConnectionClosedError)
+    ):
         return ConfigError(unreachable)
     if isinstance(exc, (be.NoCredentialsError, be.PartialCredentialsError, oe.UnauthenticatedError)):
         return ConfigError(f"no usable S3 credentials for {url}: set {_CREDENTIAL_KEYS}")
@@ -168,19 +183,33 @@ def _explain(exc: BaseException, url: str, storage_options: dict | None) -> Conf
     prefix = key.rsplit("/", 1)[0] if "/" in key else ""
     where = f"s3://{bucket}/{prefix}".rstrip("/")
     if code == "NoSuchBucket":
-        return ConfigError(f"S3 bucket {bucket!r} does not exist at {endpoint}: create it, or fix data.path "
-                           f"({url}) or {_ENDPOINT_KEYS}")
+        return ConfigError(
+            f"S3 bucket {bucket!r} does not exist at {endpoint}: create it, or fix data.path "
+            f"({url}) or {_ENDPOINT_KEYS}"
+        )
     if code in ("NoSuchKey", "404", "NotFound") and key.endswith(MANIFEST):
-        return ConfigError(f"no {MANIFEST} under {where}: run `lit-titan prepare ... {shlex.quote(f'out={where}')}` "
-                           "first")
+        return ConfigError(
+            f"no {MANIFEST} under {where}: run `lit-titan prepare ... {shlex.quote(f'out={where}')}` first"
+        )
     if code in ("NoSuchKey", "404", "NotFound"):
-        return ConfigError(f"{url} does not exist: the prepared directory {where} is incomplete; run "
-                           f"`lit-titan prepare ... {shlex.quote(f'out={where}')}` again")
-    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken",
-                "InvalidToken", "Forbidden"):
+        return ConfigError(
+            f"{url} does not exist: the prepared directory {where} is incomplete; run "
+            f"`lit-titan prepare ... {shlex.quote(f'out={where}')}` again"
+        )
+    if code in (
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "403",
+        "ExpiredToken",
+        "InvalidToken",
+        "Forbidden",
+    ):
         return ConfigError(f"S3 refused the credentials for {url} ({code}) at {endpoint}: set {_CREDENTIAL_KEYS}")
-    return ConfigError(f"S3 endpoint {endpoint} answered {code or type(exc).__name__} for {url}: is {_ENDPOINT_KEYS} "
-                       f"an S3-compatible endpoint?")
+    return ConfigError(
+        f"S3 endpoint {endpoint} answered {code or type(exc).__name__} for {url}: is {_ENDPOINT_KEYS} "
+        f"an S3-compatible endpoint?"
+    )
 
 
 def _unreachable(exc: BaseException) -> bool:
@@ -188,15 +217,24 @@ def _unreachable(exc: BaseException) -> bool:
     from botocore import exceptions as be
     from obstore import exceptions as oe
 
-    return (isinstance(exc, (be.EndpointConnectionError, be.ConnectTimeoutError, be.ReadTimeoutError,
-                             be.ConnectionClosedError, ConnectionError, TimeoutError))
-            or (isinstance(exc, oe.GenericError) and "error sending request" in str(exc)))
+    return isinstance(
+        exc,
+        (
+            be.EndpointConnectionError,
+            be.ConnectTimeoutError,
+            be.ReadTimeoutError,
+            be.ConnectionClosedError,
+            ConnectionError,
+            TimeoutError,
+        ),
+    ) or (isinstance(exc, oe.GenericError) and "error sending request" in str(exc))
 
 
 def _raise(exc: BaseException, url: str, storage_options: dict | None) -> None:
     # boto3's upload_file wraps the ClientError that says why (S3UploadFailedError).
-    explained = _explain(exc, url, storage_options) or (exc.__context__ and _explain(exc.__context__, url,
-                                                                                      storage_options))
+    explained = _explain(exc, url, storage_options) or (
+        exc.__context__ and _explain(exc.__context__, url, storage_options)
+    )
     if explained is not None:
         raise explained from None
 
@@ -221,8 +259,9 @@ def preflight(url: str, storage_options: dict | None = None, *, timeout_s: float
     try:
         json.loads(data)
     except ValueError:
-        raise ConfigError(f"{_join(url, MANIFEST)} is not JSON: run `lit-titan prepare ... "
-                          f"{shlex.quote(f'out={url}')}` again") from None
+        raise ConfigError(
+            f"{_join(url, MANIFEST)} is not JSON: run `lit-titan prepare ... {shlex.quote(f'out={url}')}` again"
+        ) from None
 
 
 def download(url: str, dest: Path, storage_options: dict | None = None, *, mid_run: bool = False) -> int:
@@ -264,7 +303,8 @@ def download(url: str, dest: Path, storage_options: dict | None = None, *, mid_r
                 if now - first_failure >= budget_s:
                     raise DataStoreUnavailable(
                         f"the S3 endpoint {_endpoint(storage_options)} stopped answering mid-run ({url}: "
-                        f"{type(e).__name__}, {attempts} attempts over {now - first_failure:.0f} s)") from None
+                        f"{type(e).__name__}, {attempts} attempts over {now - first_failure:.0f} s)"
+                    ) from None
                 time.sleep(min(2.0 ** (attempts - 1), 16.0, max(0.0, first_failure + budget_s - now)))
             finally:
                 for leftover in (tmp, Path(f"{tmp}.lock")):
@@ -313,8 +353,12 @@ def upload_dir(local: Path, url: str, storage_options: dict | None = None) -> No
     try:
         client.delete_object(Bucket=bucket, Key=key_of(local / MANIFEST))
         with ThreadPoolExecutor(8) as pool:  # chunks in parallel; boto3 clients are thread-safe
-            list(pool.map(lambda p: client.upload_file(str(p), bucket, key_of(p)),
-                          [p for p in files if p.name != "index.json"]))
+            list(
+                pool.map(
+                    lambda p: client.upload_file(str(p), bucket, key_of(p)),
+                    [p for p in files if p.name != "index.json"],
+                )
+            )
         # Then each index (never naming an object not there yet), then the manifest.
         for path in [p for p in files if p.name == "index.json"] + [local / MANIFEST]:
             client.upload_file(str(path), bucket, key_of(path))

@@ -54,11 +54,15 @@ def load_manifest(root: str, storage_options: dict | None = None, *, setting: st
     else:
         path = Path(root).expanduser()
         if not path.is_dir():
-            raise ConfigError(f"{setting}={root}: no such directory; prepare one with "
-                              f"`lit-titan prepare {shlex.quote(f'out={root}')}`")
+            raise ConfigError(
+                f"{setting}={root}: no such directory; prepare one with "
+                f"`lit-titan prepare {shlex.quote(f'out={root}')}`"
+            )
         if not (path / MANIFEST).is_file():
-            raise ConfigError(f"{setting}={root} holds no {MANIFEST}: it is not a prepared shard directory; run "
-                              f"`lit-titan prepare [data overrides] {shlex.quote(f'out={root}')}` first")
+            raise ConfigError(
+                f"{setting}={root} holds no {MANIFEST}: it is not a prepared shard directory; run "
+                f"`lit-titan prepare [data overrides] {shlex.quote(f'out={root}')}` first"
+            )
     manifest = json.loads(read_text(_join(str(root), MANIFEST), storage_options))
     if manifest.get("format") != FORMAT:
         raise ConfigError(f"{setting}={root}: {MANIFEST} is not a {FORMAT} manifest; re-run `lit-titan prepare`")
@@ -77,8 +81,15 @@ class ShardSplit:
     or downloaded from remote storage: the read volume the data-parallel split is judged by.
     """
 
-    def __init__(self, root: str, split: str, *, cache_dir: str | os.PathLike[str], storage_options: dict | None = None,
-                 manifest: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        split: str,
+        *,
+        cache_dir: str | os.PathLike[str],
+        storage_options: dict | None = None,
+        manifest: dict[str, Any] | None = None,
+    ) -> None:
         self.root, self.split = str(root), split
         self.storage_options = storage_options
         self.manifest = manifest if manifest is not None else load_manifest(self.root, storage_options)
@@ -87,8 +98,9 @@ class ShardSplit:
         self.items = np.array([int(c["chunk_size"]) for c in index["chunks"]], dtype=np.int64)
         self.chunk_tokens = np.array([int(c["dim"]) for c in index["chunks"]], dtype=np.int64)
         self.chunk_bytes = np.array([int(c.get("chunk_bytes") or 0) for c in index["chunks"]], dtype=np.int64)
-        fp = json.dumps([self.manifest.get("inputs"), self.manifest.get("tokenizer"), split, self.files,
-                         self.chunk_tokens.tolist()])
+        fp = json.dumps(
+            [self.manifest.get("inputs"), self.manifest.get("tokenizer"), split, self.files, self.chunk_tokens.tolist()]
+        )
         self.fingerprint = hashlib.sha256(fp.encode()).hexdigest()[:16]
         self.cache_dir = Path(cache_dir).expanduser() / self.fingerprint
         self.bytes_read = 0
@@ -114,8 +126,9 @@ class ShardSplit:
         dest = self.cache_dir / name
         if not dest.is_file():
             # mid_run: this split's index came from the same endpoint, so a failed connection is an outage
-            self.bytes_read += remote.download(_join(self.root, self.split, name), dest, self.storage_options,
-                                               mid_run=True)
+            self.bytes_read += remote.download(
+                _join(self.root, self.split, name), dest, self.storage_options, mid_run=True
+            )
         return dest
 
     def _map(self, chunk: int) -> np.memmap:

@@ -37,8 +37,9 @@ class Source:
     def split(self, split: str, cache_dir: Path) -> ShardSplit | None:
         if split not in self.manifest.get("splits", {}):
             return None
-        return ShardSplit(self.path, split, cache_dir=cache_dir, storage_options=self.storage_options,
-                          manifest=self.manifest)
+        return ShardSplit(
+            self.path, split, cache_dir=cache_dir, storage_options=self.storage_options, manifest=self.manifest
+        )
 
 
 def open_sources(specs: list[dict[str, Any]], storage_options: dict | None) -> list[Source]:
@@ -64,10 +65,14 @@ def open_sources(specs: list[dict[str, Any]], storage_options: dict | None) -> l
         sources.append(Source(path, weight, setting, manifest, options))
     fingerprints = {s.manifest["tokenizer"]["fingerprint"] for s in sources}
     if len(fingerprints) > 1:
-        detail = ", ".join(f"{s.setting}: vocab {s.manifest['tokenizer']['vocab_size']} "
-                           f"({s.manifest['tokenizer']['fingerprint']})" for s in sources)
-        raise ConfigError(f"the sources were prepared with different tokenizers ({detail}); prepare every source "
-                          "with the same data.tokenizer")
+        detail = ", ".join(
+            f"{s.setting}: vocab {s.manifest['tokenizer']['vocab_size']} ({s.manifest['tokenizer']['fingerprint']})"
+            for s in sources
+        )
+        raise ConfigError(
+            f"the sources were prepared with different tokenizers ({detail}); prepare every source "
+            "with the same data.tokenizer"
+        )
     return sources
 
 
@@ -93,11 +98,21 @@ def check_tokenizer(source: Source, tokenizer: Tokenizer) -> None:
         raise ConfigError(
             f"{source.setting}={source.path} was prepared with another tokenizer (vocab {want['vocab_size']}, "
             f"fingerprint {want['fingerprint']}) than data.tokenizer (vocab {tokenizer.vocab_size}, fingerprint "
-            f"{got}); drop data.tokenizer.kind/path to use the shards' own, or re-run `lit-titan prepare` with it")
+            f"{got}); drop data.tokenizer.kind/path to use the shards' own, or re-run `lit-titan prepare` with it"
+        )
 
 
 def data_fingerprint(sources: list[Source], seq_len: int) -> str:
     """Identity of what the global order is built from: refuses a resume on changed data or seq_len."""
-    payload = json.dumps([[s.manifest.get("inputs"), s.manifest.get("splits", {}).get("train"),
-                           s.manifest["tokenizer"]["fingerprint"]] for s in sources] + [seq_len])
+    payload = json.dumps(
+        [
+            [
+                s.manifest.get("inputs"),
+                s.manifest.get("splits", {}).get("train"),
+                s.manifest["tokenizer"]["fingerprint"],
+            ]
+            for s in sources
+        ]
+        + [seq_len]
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -11,7 +11,8 @@ ids held in memory; with loader workers, the batches were already read ahead by 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader
 

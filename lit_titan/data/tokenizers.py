@@ -205,4 +205,6 @@ def build_tokenizer(
         return HFTokenizer(path)
     if kind == "bpe":
         return train_bpe_tokenizer(corpus, vocab_size, cache_dir, allow_train=allow_train)
-    raise ValueError(f"Unknown tokenizer kind {kind!r}; valid kinds: {', '.join(TOKENIZER_KINDS)} (data.tokenizer.kind).")
+    raise ValueError(
+        f"Unknown tokenizer kind {kind!r}; valid kinds: {', '.join(TOKENIZER_KINDS)} (data.tokenizer.kind)."
+    )

@@ -20,8 +20,15 @@ from lit_titan.observe.redact import secrets_of
 if TYPE_CHECKING:
     from lit_titan.config import JobSpec
 
-__all__ = ["build_callbacks", "build_datamodule", "build_loggers", "build_module", "build_strategy", "instantiate",
-           "tensorboard_dir"]
+__all__ = [
+    "build_callbacks",
+    "build_datamodule",
+    "build_loggers",
+    "build_module",
+    "build_strategy",
+    "instantiate",
+    "tensorboard_dir",
+]
 
 
 def instantiate(node: DictConfig, **kwargs: Any) -> Any:
@@ -58,8 +65,11 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
                 # W&B copies the command line into its run metadata (uploaded by `wandb sync`), where no
                 # redaction reaches: not recorded at all when it holds credentials (docs/data.md).
                 settings = node.get("settings")
-                settings = OmegaConf.to_container(settings, resolve=True) if OmegaConf.is_config(settings) else \
-                    dict(settings or {})
+                settings = (
+                    OmegaConf.to_container(settings, resolve=True)
+                    if OmegaConf.is_config(settings)
+                    else dict(settings or {})
+                )
                 extra.update(settings={**settings, "x_disable_meta": True}, _convert_="all")  # a dict, for wandb
         logger = instantiate(node, **extra)
         _drop_wandb_anonymous(logger)
@@ -85,9 +95,12 @@ def build_strategy(cfg: DictConfig, spec: JobSpec | None = None):
     checked job, whose resolved degrees the strategy takes as they are (None: it resolves them)."""
     from lit_titan.strategies import ParallelConfig, TitanStrategy
 
-    return TitanStrategy(ParallelConfig(**OmegaConf.to_container(cfg.parallel, resolve=True)),
-                         dims=spec.dims if spec is not None else None, tf32=bool(cfg.get("tf32", True)),
-                         timeout=timedelta(seconds=int(cfg.cluster.get("timeout_s", 1800))))
+    return TitanStrategy(
+        ParallelConfig(**OmegaConf.to_container(cfg.parallel, resolve=True)),
+        dims=spec.dims if spec is not None else None,
+        tf32=bool(cfg.get("tf32", True)),
+        timeout=timedelta(seconds=int(cfg.cluster.get("timeout_s", 1800))),
+    )
 
 
 def tensorboard_dir(cfg: DictConfig) -> str | None:
@@ -100,8 +113,12 @@ def tensorboard_dir(cfg: DictConfig) -> str | None:
 def build_datamodule(cfg: DictConfig, spec: JobSpec) -> Any:
     """The ``data`` node's data module (``_target_``), its data_dir with ``~`` expanded; it checks the
     global batch against its data-parallel size with the same ``BatchLayout`` the spec holds."""
-    return instantiate(cfg.data, data_dir=os.path.expanduser(str(cfg.data.data_dir)),
-                       model_vocab_size=spec.model.vocab_size, _convert_="all")
+    return instantiate(
+        cfg.data,
+        data_dir=os.path.expanduser(str(cfg.data.data_dir)),
+        model_vocab_size=spec.model.vocab_size,
+        _convert_="all",
+    )
 
 
 def build_module(cfg: DictConfig) -> Any:
@@ -109,10 +126,14 @@ def build_module(cfg: DictConfig) -> Any:
     from lit_titan.config.spec import model_overrides
     from lit_titan.module import PretrainModule
 
-    return PretrainModule(model=cfg.model.name, model_overrides=model_overrides(cfg),
-                          optim=OmegaConf.to_container(cfg.optim, resolve=True), seed=int(cfg.seed),
-                          init_from_hf=cfg.model.get("init_from_hf"),
-                          loss_chunk_tokens=(cfg.get("loss") or {}).get("chunk_tokens", "auto"))
+    return PretrainModule(
+        model=cfg.model.name,
+        model_overrides=model_overrides(cfg),
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        seed=int(cfg.seed),
+        init_from_hf=cfg.model.get("init_from_hf"),
+        loss_chunk_tokens=(cfg.get("loss") or {}).get("chunk_tokens", "auto"),
+    )
 
 
 def build_callbacks(cfg: DictConfig, run_dir: Path, run_keys: dict[str, Any], extra: list = ()) -> tuple[Any, list]:
@@ -125,39 +146,64 @@ def build_callbacks(cfg: DictConfig, run_dir: Path, run_keys: dict[str, Any], ex
     from lit_titan.data.progress import DataProgress
     from lit_titan.job.resume import continue_command
 
-    summary = RunSummary(run_dir=str(run_dir), continue_command=continue_command(cfg, run_dir),
-                         tensorboard_dir=tensorboard_dir(cfg),
-                         checkpoint_dir=str(run_dir / "checkpoints") if cfg.checkpoint.enabled else None)
+    summary = RunSummary(
+        run_dir=str(run_dir),
+        continue_command=continue_command(cfg, run_dir),
+        tensorboard_dir=tensorboard_dir(cfg),
+        checkpoint_dir=str(run_dir / "checkpoints") if cfg.checkpoint.enabled else None,
+    )
     configured = [instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     all_callbacks = [summary, DataProgress(), *configured, *extra]
     if (cfg.get("preflight") or {}).get("enabled"):  # first: it may end the job before the others act
-        from lit_titan.observe.throughput import peak_flops
         from lit_titan.callbacks.preflight import Preflight
+        from lit_titan.observe.throughput import peak_flops
 
         peak = peak_flops(OmegaConf.to_container(cfg.cluster, resolve=True), str(cfg.precision)) / 1e12
-        all_callbacks.insert(0, Preflight(str(run_dir), action=str(cfg.preflight.action),
-                                          threshold=float(cfg.preflight.threshold), expected_tflops=peak or None,
-                                          slow_rank=cfg.fault.get("slow_rank"),
-                                          slow_factor=float(cfg.fault.get("slow_factor", 4.0)),
-                                          slow_link=cfg.fault.get("slow_link"),
-                                          only=bool(cfg.preflight.get("only", False))))
+        all_callbacks.insert(
+            0,
+            Preflight(
+                str(run_dir),
+                action=str(cfg.preflight.action),
+                threshold=float(cfg.preflight.threshold),
+                expected_tflops=peak or None,
+                slow_rank=cfg.fault.get("slow_rank"),
+                slow_factor=float(cfg.fault.get("slow_factor", 4.0)),
+                slow_link=cfg.fault.get("slow_link"),
+                only=bool(cfg.preflight.get("only", False)),
+            ),
+        )
     guard = cfg.get("nonfinite") or {}
     if guard.get("enabled", True):  # before Checkpointing: a step's update is decided before its save
         from lit_titan.callbacks import NonFiniteGuard
 
-        all_callbacks.append(NonFiniteGuard(action=str(guard.get("action", "stop")),
-                                            max_consecutive_skips=int(guard.get("max_consecutive_skips", 5))))
+        all_callbacks.append(
+            NonFiniteGuard(
+                action=str(guard.get("action", "stop")),
+                max_consecutive_skips=int(guard.get("max_consecutive_skips", 5)),
+            )
+        )
     if cfg.checkpoint.enabled:
         c = cfg.checkpoint
-        all_callbacks.append(Checkpointing(dirpath=str(run_dir / "checkpoints"), every_n_steps=int(c.every_n_steps),
-                                           keep_last=int(c.keep_last), async_save=bool(c.async_save),
-                                           fingerprint=run_keys))
+        all_callbacks.append(
+            Checkpointing(
+                dirpath=str(run_dir / "checkpoints"),
+                every_n_steps=int(c.every_n_steps),
+                keep_last=int(c.keep_last),
+                async_save=bool(c.async_save),
+                fingerprint=run_keys,
+            )
+        )
     if cfg.fault.kill_rank is not None:
-        all_callbacks.append(FaultInjection(kill_rank=int(cfg.fault.kill_rank), at_step=int(cfg.fault.at_step),
-                                            during_save=bool(cfg.fault.during_save),
-                                            save_error=cfg.fault.get("save_error"),
-                                            stage_error=cfg.fault.get("stage_error"),
-                                            pause=bool(cfg.fault.get("pause", False))))
+        all_callbacks.append(
+            FaultInjection(
+                kill_rank=int(cfg.fault.kill_rank),
+                at_step=int(cfg.fault.at_step),
+                during_save=bool(cfg.fault.during_save),
+                save_error=cfg.fault.get("save_error"),
+                stage_error=cfg.fault.get("stage_error"),
+                pause=bool(cfg.fault.get("pause", False)),
+            )
+        )
     # SIGTERM/SIGUSR1 on any rank, or the data store gone: save, one line, the requeue exit code
     all_callbacks.append(Preemption(continue_command=continue_command(cfg, run_dir, more_steps=False)))
     t = cfg.trainer

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import tempfile
+import time
 from pathlib import Path
+
 from lit_titan.errors import error_line, is_peer_failure, one_line
 
 QUIET_RANK_EXIT_DELAY_S = 5.0  # see report_user_error
@@ -54,8 +55,7 @@ def is_rank_of_a_job() -> bool:
     set on every rank (its environment's teardown removes ``WORLD_SIZE``). A one-process run has none.
     """
     env = os.environ
-    return (job_rank() is not None or "LOCAL_RANK" in env
-            or int(env.get("SLURM_NTASKS", "1") or 1) > 1)
+    return job_rank() is not None or "LOCAL_RANK" in env or int(env.get("SLURM_NTASKS", "1") or 1) > 1
 
 
 def job_rank() -> int | None:
@@ -114,9 +114,15 @@ def report_peer_failure() -> None:
         return  # the rank that failed in Python printed its own line (report_rank_failure)
     if rank != 0 and not (peer_exit.world_size() == 2 and not ended):
         return  # rank 0 says it (a survivor of a two-rank job whose peer was rank 0 says it too)
-    print(error_line(f"{peer_exit.describe(ended)}{peer_exit.checkpoints_state(run_dir)}; continue with "
-                     f"resume=auto (torchrun --max-restarts restarts it by itself; HYDRA_FULL_ERROR=1 shows this "
-                     f"rank's traceback)"), file=sys.stderr, flush=True)
+    print(
+        error_line(
+            f"{peer_exit.describe(ended)}{peer_exit.checkpoints_state(run_dir)}; continue with "
+            f"resume=auto (torchrun --max-restarts restarts it by itself; HYDRA_FULL_ERROR=1 shows this "
+            f"rank's traceback)"
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _another_rank_reported(log_dir: Path, rank: int, wait_s: float = 3.0) -> bool:
@@ -125,8 +131,10 @@ def _another_rank_reported(log_dir: Path, rank: int, wait_s: float = 3.0) -> boo
 
     deadline = time.monotonic() + wait_s
     while True:
-        if any(p.name != f"rank-{rank}-error.txt" and p.stat().st_mtime > time.time() - 60  # not an earlier attempt's
-               for p in log_dir.glob("rank-*-error.txt")):
+        if any(
+            p.name != f"rank-{rank}-error.txt" and p.stat().st_mtime > time.time() - 60  # not an earlier attempt's
+            for p in log_dir.glob("rank-*-error.txt")
+        ):
             return True
         if time.monotonic() > deadline:
             return False

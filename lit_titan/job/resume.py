@@ -40,8 +40,11 @@ def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] |
             _say(f"skipping damaged checkpoint: {reason}")
             if is_launcher_rank_zero():
                 _say(f"moved it to {set_aside(path)} (kept for inspection; the run will save that step again)")
-        _say(f"resume=auto: resuming from {ckpt}" if ckpt else
-             f"resume=auto: no complete checkpoint in {run_dir / 'checkpoints'}; starting fresh")
+        _say(
+            f"resume=auto: resuming from {ckpt}"
+            if ckpt
+            else f"resume=auto: no complete checkpoint in {run_dir / 'checkpoints'}; starting fresh"
+        )
         if ckpt and not (ckpt / CHECKSUMS).is_file():
             _say(f"warning: {ckpt} has no {CHECKSUMS} (written by an earlier version): loaded unverified")
         if ckpt and expected:
@@ -49,20 +52,25 @@ def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] |
         return str(ckpt) if ckpt else None
     path = Path(str(resume)).expanduser().resolve()
     if not path.exists():
-        raise FileNotFoundError(f"resume={resume} does not exist; point resume= at a checkpoint directory such as "
-                                f"<run_dir>/checkpoints/step-000100, or use resume=auto")
+        raise FileNotFoundError(
+            f"resume={resume} does not exist; point resume= at a checkpoint directory such as "
+            f"<run_dir>/checkpoints/step-000100, or use resume=auto"
+        )
     try:
         validate(path, verify=True)
     except CheckpointError as err:
         others = [p.name for p in published(path.parent) if p != path]
         hint = f" (other checkpoints there: {', '.join(others[-3:])})" if others else ""
-        raise CheckpointError(f"resume={resume} cannot be used: {err}; choose an earlier checkpoint{hint} or "
-                              f"resume=auto") from None
+        raise CheckpointError(
+            f"resume={resume} cannot be used: {err}; choose an earlier checkpoint{hint} or resume=auto"
+        ) from None
     newer = [p.name for p in published(own) if (checkpoint_step(p) or 0) > (checkpoint_step(path) or 0)]
     if newer:  # the resumed run would save those steps again: never overwrite a checkpoint
-        raise CheckpointError(f"run_dir {run_dir} already holds checkpoints newer than resume={resume} "
-                              f"({', '.join(newer[-3:])}); resume from the newest with resume=auto, or pass a new "
-                              f"run_dir= to branch off from this checkpoint")
+        raise CheckpointError(
+            f"run_dir {run_dir} already holds checkpoints newer than resume={resume} "
+            f"({', '.join(newer[-3:])}); resume from the newest with resume=auto, or pass a new "
+            f"run_dir= to branch off from this checkpoint"
+        )
     if not (path / CHECKSUMS).is_file():
         _say(f"warning: {path} has no {CHECKSUMS} (written by an earlier version): loaded unverified")
     if expected:
@@ -94,13 +102,20 @@ def continue_command(cfg: DictConfig, run_dir: Path, more_steps: bool = True) ->
     # output_dir: it stays '???'), not ours: no command to print
     if OmegaConf.is_missing(hc.runtime, "output_dir") or Path(str(hc.runtime.output_dir)).resolve() != run_dir:
         return None
-    own = [o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in replaced and not o.startswith("hydra")]
-    config_dirs = [arg for source in hc.runtime.config_sources if source.provider == "command-line"
-                   for arg in ("--config-dir", str(source.path).removeprefix("file://"))]  # the user's own groups
+    own = [
+        o for o in hc.overrides.task if o.lstrip("+~").split("=", 1)[0] not in replaced and not o.startswith("hydra")
+    ]
+    config_dirs = [
+        arg
+        for source in hc.runtime.config_sources
+        if source.provider == "command-line"
+        for arg in ("--config-dir", str(source.path).removeprefix("file://"))
+    ]  # the user's own groups
     own = redact(own, secrets_of(cfg, own))  # credentials as ***: the command is printed, into job logs
     more = [f"trainer.max_steps={2 * steps}", f"optim.total_steps={total}"] if more_steps else []
-    return shlex.join(["python", "-m", "lit_titan.train", *config_dirs, *own, f"run_dir={run_dir}",
-                       "resume=auto", *more])
+    return shlex.join(
+        ["python", "-m", "lit_titan.train", *config_dirs, *own, f"run_dir={run_dir}", "resume=auto", *more]
+    )
 
 
 def archive_metrics(run_dir: Path) -> None:

@@ -14,8 +14,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.config import JobSpec, validate
 from lit_titan.config.compose import RUN_DIR_ENV, default_run_dir
-from lit_titan.job.build import build_callbacks, build_datamodule, build_loggers, build_module, build_strategy, \
-    instantiate
+from lit_titan.job.build import (
+    build_callbacks,
+    build_datamodule,
+    build_loggers,
+    build_module,
+    build_strategy,
+    instantiate,
+)
 from lit_titan.job.ranks import is_launcher_rank_zero
 from lit_titan.job.resume import archive_metrics, resolve_resume
 from lit_titan.observe.redact import redact, write_private
@@ -86,15 +92,26 @@ def train(cfg: DictConfig, callbacks: list | None = None, spec: JobSpec | None =
     summary, all_callbacks = build_callbacks(cfg, run_dir, run_keys, extra=callbacks or [])
     t = cfg.trainer
     trainer = L.Trainer(
-        accelerator=cfg.cluster.accelerator, devices=cfg.cluster.devices, num_nodes=cfg.cluster.num_nodes,
-        strategy=build_strategy(cfg, spec), precision=spec.precision, max_steps=int(t.max_steps),
-        accumulate_grad_batches=spec.batch.accumulation, gradient_clip_val=t.gradient_clip_val,
-        log_every_n_steps=t.log_every_n_steps, limit_val_batches=t.limit_val_batches,
+        accelerator=cfg.cluster.accelerator,
+        devices=cfg.cluster.devices,
+        num_nodes=cfg.cluster.num_nodes,
+        strategy=build_strategy(cfg, spec),
+        precision=spec.precision,
+        max_steps=int(t.max_steps),
+        accumulate_grad_batches=spec.batch.accumulation,
+        gradient_clip_val=t.gradient_clip_val,
+        log_every_n_steps=t.log_every_n_steps,
+        limit_val_batches=t.limit_val_batches,
         val_check_interval=t.val_check_interval if t.limit_val_batches else None,
-        enable_progress_bar=t.enable_progress_bar, deterministic=t.deterministic,
-        logger=build_loggers(cfg, run_dir), callbacks=all_callbacks, default_root_dir=str(run_dir),
-        enable_checkpointing=False, use_distributed_sampler=False,  # Checkpointing replaces ModelCheckpoint
-        enable_model_summary=False, profiler=instantiate(cfg.profiler) if cfg.get("profiler") else None,
+        enable_progress_bar=t.enable_progress_bar,
+        deterministic=t.deterministic,
+        logger=build_loggers(cfg, run_dir),
+        callbacks=all_callbacks,
+        default_root_dir=str(run_dir),
+        enable_checkpointing=False,
+        use_distributed_sampler=False,  # Checkpointing replaces ModelCheckpoint
+        enable_model_summary=False,
+        profiler=instantiate(cfg.profiler) if cfg.get("profiler") else None,
     )
     # Lightning picks MASTER_ADDR/PORT for a job it launches and leaves them in this process; a later
     # in-process run (notebooks, tests) must pick its own, or it may meet a port an earlier store holds.

@@ -112,8 +112,12 @@ def copy_local_into(param: Tensor, tensor_slice: Any, name: str, read: BlockRead
 
 
 @torch.no_grad()
-def load_into(model: nn.Module, path: str | Path, source: Callable[[str, dict[str, Path]], str],
-              reader: Callable[[str], BlockReader] = lambda name: read_block) -> None:
+def load_into(
+    model: nn.Module,
+    path: str | Path,
+    source: Callable[[str, dict[str, Path]], str],
+    reader: Callable[[str], BlockReader] = lambda name: read_block,
+) -> None:
     """Copy a HF directory into ``model``, whose parameters may be FSDP/TP DTensors or a PP stage.
 
     ``source(our_name, files)`` names the stored tensor of each parameter, ``reader(our_name)`` how to

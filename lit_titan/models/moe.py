@@ -95,7 +95,7 @@ class Router(nn.Module):
         return scores, weights * self.args.route_scale, indices
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward for this device type and dtype (probed once)."""
     if not hasattr(torch, "_grouped_mm"):
@@ -131,8 +131,10 @@ class GroupedExperts(nn.Module):
             return False
         ok = grouped_mm_works(x.device.type, x.dtype) and _aligned(self.w1.shape[-1], self.w1.shape[-2], dtype=x.dtype)
         if self.impl == "grouped" and not ok:
-            raise RuntimeError(f"model.moe.experts_impl=grouped: torch._grouped_mm does not run for {x.dtype} on "
-                               f"{x.device.type} at these sizes; use experts_impl=auto or loop")
+            raise RuntimeError(
+                f"model.moe.experts_impl=grouped: torch._grouped_mm does not run for {x.dtype} on "
+                f"{x.device.type} at these sizes; use experts_impl=auto or loop"
+            )
         return ok
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
@@ -140,11 +142,12 @@ class GroupedExperts(nn.Module):
         if self.use_grouped(x):
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
-                x, w3.transpose(-2, -1), offs=offs)
+                x, w3.transpose(-2, -1), offs=offs
+            )
             return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):
-            xe = x[start:start + n]
+            xe = x[start : start + n]
             outs.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
             start += n
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
@@ -177,12 +180,14 @@ class MoE(nn.Module):
         self.args = args
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, args.experts_impl)
-        self.shared_experts = SwiGLU(dim, args.hidden_dim * args.num_shared_experts) if args.num_shared_experts else None
+        self.shared_experts = (
+            SwiGLU(dim, args.hidden_dim * args.num_shared_experts) if args.num_shared_experts else None
+        )
         # Aux-loss-free balancing: persistent (checkpointed with the weights); counts are per step.
-        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32),
-                             persistent=args.bias_update_rate > 0)
-        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
-                             persistent=False)
+        self.register_buffer(
+            "expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=args.bias_update_rate > 0
+        )
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False)
         # The group the global-batch loss sums its counts over (data x context ranks); None: this process.
         self.count_group: dist.ProcessGroup | None = None
         self.stats: dict[str, Tensor | int] = {}

@@ -42,8 +42,9 @@ class HFAdapter(Protocol):
     def check_hf_dir(self, path: str, args: Any) -> None: ...
     def load_hf_weights(self, model: nn.Module, path: str) -> None: ...
     def param_shapes(self, args: Any) -> dict[str, tuple[int, ...]]: ...
-    def iter_hf_tensors(self, state_dict: dict[str, Tensor], args: Any,
-                        dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]: ...
+    def iter_hf_tensors(
+        self, state_dict: dict[str, Tensor], args: Any, dtype: torch.dtype
+    ) -> Iterator[tuple[str, Tensor]]: ...
     def hf_config(self, args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]: ...
 
 
@@ -74,9 +75,18 @@ def _llama3() -> ModelSpec:
     from lit_titan.models.llama3 import flops, hf
     from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
 
-    return ModelSpec(name="llama3", args=llama3.ModelArgs, model=llama3.Transformer, flavors=llama3.FLAVORS,
-                     get_flavor=llama3.get_flavor, plan=LLAMA3_PLAN, hf=hf, count_params=flops.count_params,
-                     flops_per_token=flops.flops_per_token, nullable_keys=("rope_scaling",))
+    return ModelSpec(
+        name="llama3",
+        args=llama3.ModelArgs,
+        model=llama3.Transformer,
+        flavors=llama3.FLAVORS,
+        get_flavor=llama3.get_flavor,
+        plan=LLAMA3_PLAN,
+        hf=hf,
+        count_params=flops.count_params,
+        flops_per_token=flops.flops_per_token,
+        nullable_keys=("rope_scaling",),
+    )
 
 
 # family name -> how to build its spec (imported on first use, so `import lit_titan.models.registry` stays light)
@@ -115,8 +125,10 @@ def spec_of(args: Any) -> ModelSpec:
         for spec in families():
             if match(spec):
                 return spec
-    raise TypeError(f"{type(args).__name__} is not the arguments of a registered model family "
-                    f"({', '.join(FAMILIES)}); add the family to lit_titan.models.registry.FAMILIES")
+    raise TypeError(
+        f"{type(args).__name__} is not the arguments of a registered model family "
+        f"({', '.join(FAMILIES)}); add the family to lit_titan.models.registry.FAMILIES"
+    )
 
 
 def model_args(flavor: str, **overrides: Any) -> Any:

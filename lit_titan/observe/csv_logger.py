@@ -23,8 +23,10 @@ class _RunDirWriter(ExperimentWriter):
     # which the writer's __init__ calls; the rest of the writer is Lightning's.
     def _check_log_dir_exists(self) -> None:
         if self._fs.isfile(self.metrics_file_path):
-            rank_zero_warn(f"{self.metrics_file_path} exists from an earlier run and will be replaced; pass a new "
-                           f"run_dir= to keep it, or resume=auto to continue that run")
+            rank_zero_warn(
+                f"{self.metrics_file_path} exists from an earlier run and will be replaced; pass a new "
+                f"run_dir= to keep it, or resume=auto to continue that run"
+            )
             self._fs.rm_file(self.metrics_file_path)
 
 

@@ -62,8 +62,10 @@ def check_config(preflight: Any, fault: Any, world: int) -> None:
     link = fault.get("slow_link") if fault else None
     if link is not None:
         if link not in (*NODE_LINKS, *MESH_DIMS):
-            raise ConfigError(f"fault.slow_link={link} is not a link; use one of {', '.join((*NODE_LINKS, *MESH_DIMS))}"
-                              " (or null: slow the burn-in)")
+            raise ConfigError(
+                f"fault.slow_link={link} is not a link; use one of {', '.join((*NODE_LINKS, *MESH_DIMS))}"
+                " (or null: slow the burn-in)"
+            )
         if slow is None:
             raise ConfigError(f"fault.slow_link={link} slows a rank's links; set fault.slow_rank=RANK")
     if slow is not None:
@@ -75,8 +77,15 @@ def check_config(preflight: Any, fault: Any, world: int) -> None:
             raise ConfigError(f"fault.slow_factor={fault.get('slow_factor')} must be >= 1")
 
 
-def burn_in(device: torch.device, *, n: int = 256, iters: int = 8, repeats: int = 3, slow_factor: float = 1.0,
-            dtype: torch.dtype = torch.float32) -> float:
+def burn_in(
+    device: torch.device,
+    *,
+    n: int = 256,
+    iters: int = 8,
+    repeats: int = 3,
+    slow_factor: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> float:
     """Best matmul rate of ``repeats`` runs of ``iters`` [n, n] x [n, n] products, in TFLOP/s."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -85,18 +94,19 @@ def burn_in(device: torch.device, *, n: int = 256, iters: int = 8, repeats: int 
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(iters):
-            a = torch.mm(a, b).div_(n ** 0.5)
+            a = torch.mm(a, b).div_(n**0.5)
         _sync(device)
         elapsed = time.perf_counter() - t0
         if slow_factor > 1:  # the fault drill: this rank computes slow_factor times slower
             time.sleep(elapsed * (slow_factor - 1))
             elapsed *= slow_factor
         best = min(best, elapsed)
-    return 2 * n ** 3 * iters / best / 1e12
+    return 2 * n**3 * iters / best / 1e12
 
 
-def bandwidth(group: dist.ProcessGroup, device: torch.device, *, numel: int = 1 << 18, repeats: int = 5,
-              slow_factor: float = 1.0) -> dict[str, float]:
+def bandwidth(
+    group: dist.ProcessGroup, device: torch.device, *, numel: int = 1 << 18, repeats: int = 5, slow_factor: float = 1.0
+) -> dict[str, float]:
     """Bus bandwidth (GB/s, NCCL's convention) of all-reduce and all-gather of ``numel`` fp32 over ``group``.
 
     ``slow_factor`` > 1 is the link drill: this rank's view of each collective is that many times slower.
@@ -105,8 +115,10 @@ def bandwidth(group: dist.ProcessGroup, device: torch.device, *, numel: int = 1 
     x = torch.ones(numel, device=device)
     parts = [torch.empty(numel, device=device) for _ in range(n)]
     out = {}
-    for name, op, factor in (("all_reduce_gbps", lambda: dist.all_reduce(x, group=group), 2 * (n - 1) / n),
-                             ("all_gather_gbps", lambda: dist.all_gather(parts, x, group=group), (n - 1))):
+    for name, op, factor in (
+        ("all_reduce_gbps", lambda: dist.all_reduce(x, group=group), 2 * (n - 1) / n),
+        ("all_gather_gbps", lambda: dist.all_gather(parts, x, group=group), (n - 1)),
+    ):
         best = float("inf")
         for _ in range(repeats + 1):
             dist.barrier(group=group)
@@ -144,21 +156,32 @@ def node_groups(node_of: list[int], device_type: str) -> dict[str, Any]:
     if len({len(m) for m in members}) != 1:
         return {}
     # rows are nodes, columns local indices: dim 0 (across the rows) joins the nodes, dim 1 is one node
-    mesh = DeviceMesh(device_type, torch.tensor(members),
-                      mesh_dim_names=("inter_node", "intra_node"))
+    mesh = DeviceMesh(device_type, torch.tensor(members), mesh_dim_names=("inter_node", "intra_node"))
     wanted = {"inter_node": len(nodes) > 1, "intra_node": len(members[0]) > 1}
     return {name: mesh.get_group(name) for name, keep in wanted.items() if keep}
 
 
-def measure(mesh: Any, device: torch.device, *, slow_factor: float = 1.0, slow_link: str | None = None,
-            node: int = 0, node_links: dict[str, Any] | None = None, node_of: list[int] | None = None
-            ) -> dict[str, Any]:
+def measure(
+    mesh: Any,
+    device: torch.device,
+    *,
+    slow_factor: float = 1.0,
+    slow_link: str | None = None,
+    node: int = 0,
+    node_links: dict[str, Any] | None = None,
+    node_of: list[int] | None = None,
+) -> dict[str, Any]:
     """This rank's burn-in and the bandwidth of each of its mesh groups and node groups.
 
     ``slow_factor`` slows the burn-in, or, with ``slow_link``, the bandwidth over that kind of group.
     """
-    record: dict[str, Any] = {"rank": dist.get_rank(), "node": node, "host": socket.gethostname(),
-                              "tflops": burn_in(device, slow_factor=1.0 if slow_link else slow_factor), "links": {}}
+    record: dict[str, Any] = {
+        "rank": dist.get_rank(),
+        "node": node,
+        "host": socket.gethostname(),
+        "tflops": burn_in(device, slow_factor=1.0 if slow_link else slow_factor),
+        "links": {},
+    }
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     groups = {name: mesh.get_group(i) for i, name in enumerate(names) if mesh.size(i) > 1}
     groups.update(node_links or {})
@@ -194,22 +217,27 @@ def judge(records: list[dict[str, Any]], threshold: float) -> tuple[list[str], d
     median_tflops = statistics.median(r["tflops"] for r in records)
     for r in records:
         if r["tflops"] < threshold * median_tflops:
-            found.append(f"rank {r['rank']} ({_where(r)}) matmul {r['tflops']:.4g} TFLOP/s vs median "
-                         f"{median_tflops:.4g}")
+            found.append(
+                f"rank {r['rank']} ({_where(r)}) matmul {r['tflops']:.4g} TFLOP/s vs median {median_tflops:.4g}"
+            )
     medians: dict[str, Any] = {"tflops": median_tflops}
     for dim in sorted({d for r in records for d in r["links"]}):
         groups = {tuple(r["links"][dim]["ranks"]): r["links"][dim] for r in records if dim in r["links"]}
         nodes = {g: link.get("nodes") for g, link in groups.items()}
         for key in ("all_reduce_gbps", "all_gather_gbps"):
             # one figure per group: its slowest member's view (a collective waits for every member)
-            per_group = {g: min(r["links"][dim][key] for r in records if tuple(r["links"].get(dim, {}).get("ranks", ()))
-                                == g) for g in groups}
+            per_group = {
+                g: min(r["links"][dim][key] for r in records if tuple(r["links"].get(dim, {}).get("ranks", ())) == g)
+                for g in groups
+            }
             med = statistics.median(per_group.values())
             medians[f"{dim}.{key}"] = med
             for g, value in per_group.items():
                 if len(per_group) > 1 and value < threshold * med:
-                    on = (f" (node{'s' if len(nodes[g]) > 1 else ''} {', '.join(map(str, nodes[g]))})"
-                          if nodes[g] else "")
-                    found.append(f"{dim} group {list(g)}{on} {key.removesuffix('_gbps')} {value:.3g} GB/s vs median "
-                                 f"{med:.3g}")
+                    on = (
+                        f" (node{'s' if len(nodes[g]) > 1 else ''} {', '.join(map(str, nodes[g]))})" if nodes[g] else ""
+                    )
+                    found.append(
+                        f"{dim} group {list(g)}{on} {key.removesuffix('_gbps')} {value:.3g} GB/s vs median {med:.3g}"
+                    )
     return found, medians

@@ -85,8 +85,11 @@ def checkpoints_state(run_dir: str | None) -> str:
     ckpts = Path(run_dir) / "checkpoints"
     done = published(ckpts)
     newest = checkpoint_step(done[-1]) if done else -1
-    interrupted = sorted((staged_step(p) or -1, p.name.removesuffix(PARTIAL_SUFFIX))
-                         for p in ckpts.glob(f"step-*{PARTIAL_SUFFIX}") if (staged_step(p) or -1) > (newest or -1))
+    interrupted = sorted(
+        (staged_step(p) or -1, p.name.removesuffix(PARTIAL_SUFFIX))
+        for p in ckpts.glob(f"step-*{PARTIAL_SUFFIX}")
+        if (staged_step(p) or -1) > (newest or -1)
+    )
     during = f" while checkpoint {interrupted[-1][1]} was being written (it is not published)" if interrupted else ""
     kept = f"the previous complete checkpoint {done[-1].name} is kept" if done else "no complete checkpoint yet"
     return f"{during}; {kept}"

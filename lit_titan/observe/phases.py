@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -25,7 +25,9 @@ MASK = "***"
 # (``hf_token``, ``session_token``), so ``chunk_tokens`` and ``tokenizer`` are not hidden.
 _SECRET_KEY = re.compile(
     r"secret|passw(or)?d|credential|api[_-]?key|private[_-]?key|access[_-]?key|auth"
-    r"|(^|[_-])token($|[_-])|(^|[_-])key($|[_-])", re.IGNORECASE)
+    r"|(^|[_-])token($|[_-])|(^|[_-])key($|[_-])",
+    re.IGNORECASE,
+)
 # Shorter values are not scrubbed from free text (they would mask common words); their keys still are.
 _MIN_SCRUB_CHARS = 4
 
@@ -99,8 +101,10 @@ def redact(obj: Any, secrets: Iterable[str] = ()) -> Any:
 
     def walk(o: Any) -> Any:
         if isinstance(o, Mapping):
-            return {k: (MASK if is_secret_key(k) and v is not None and not isinstance(v, (Mapping, list))
-                        else walk(v)) for k, v in o.items()}
+            return {
+                k: (MASK if is_secret_key(k) and v is not None and not isinstance(v, (Mapping, list)) else walk(v))
+                for k, v in o.items()
+            }
         if isinstance(o, (list, tuple)):
             return [walk(v) for v in o]
         if isinstance(o, str):

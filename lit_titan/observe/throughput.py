@@ -43,6 +43,7 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("B200", 2250.0),
 )
 
+
 def peak_flops(cluster: dict[str, Any], precision: str) -> float:
     """Peak FLOP/s per device of a cluster profile (``conf/cluster``) for the run's matmul dtype: ``peak_fp32_tflops`` under 32-true when the
     profile has it (CPU profiles measure it), else ``peak_bf16_tflops``."""
@@ -62,8 +63,9 @@ def peak_bf16_tflops(device_name: str | None) -> float | None:
     return None
 
 
-def per_device_throughput(global_tokens: float, step_seconds: float, world_size: int, flops_per_token: float,
-                          peak_tflops: float | None = None) -> dict[str, float]:
+def per_device_throughput(
+    global_tokens: float, step_seconds: float, world_size: int, flops_per_token: float, peak_tflops: float | None = None
+) -> dict[str, float]:
     """Per-device numbers of one optimizer step from its *global* token count.
 
     The global tokens are divided by the world size (every rank: dp, tp, cp and pp peers alike),

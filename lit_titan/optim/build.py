@@ -10,7 +10,6 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-
 OPTIMIZERS = ("adamw", "lamb")
 
 
@@ -76,8 +75,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 AdamWImplementation = Literal["fused", "foreach", "for_loop"]
 
 
-def adamw_implementation(params: Iterable[Any], *, fused: bool | None = None, foreach: bool | None = None
-                         ) -> AdamWImplementation:
+def adamw_implementation(
+    params: Iterable[Any], *, fused: bool | None = None, foreach: bool | None = None
+) -> AdamWImplementation:
     """Which AdamW kernel runs for ``params``; training and the planner's step time both ask this.
 
     Explicit settings are passed to torch unchanged: ``fused=True`` or ``foreach=True`` wins, and an
@@ -121,8 +121,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 
         return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     impl = adamw_implementation((p for g in groups for p in g["params"]), fused=cfg.fused, foreach=cfg.foreach)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             foreach=impl == "foreach", fused=impl == "fused")
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=impl == "foreach", fused=impl == "fused"
+    )
 
 
 def keep_kernel_choice(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:

@@ -84,8 +84,14 @@ def full_norms(tensors: list[Tensor], like: list[Tensor]) -> Tensor:
 class Lamb(torch.optim.Optimizer):
     """LAMB with bias correction and decoupled weight decay inside the trust-ratio update (foreach)."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+    ) -> None:
         betas = check_betas(betas)
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"LAMB needs lr, eps, weight_decay >= 0 (got {lr}, {eps}, {weight_decay})")
@@ -103,9 +109,11 @@ class Lamb(torch.optim.Optimizer):
                 continue
             for p in params:  # state creation, first step only
                 if not self.state[p]:
-                    self.state[p].update(step=torch.zeros((), dtype=torch.float32),
-                                         exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                    self.state[p].update(
+                        step=torch.zeros((), dtype=torch.float32),
+                        exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                        exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+                    )
             self._update(group, params)
         return loss
 
@@ -123,9 +131,9 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_lerp_(m, g, 1 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, g, g, value=1 - b2)
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
         denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bc2 ** 0.5)
+        torch._foreach_div_(denom, bc2**0.5)
         torch._foreach_add_(denom, eps)
         update = torch._foreach_div(m, denom)
         torch._foreach_div_(update, bc1)

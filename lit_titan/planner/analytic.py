@@ -26,8 +26,16 @@ def module_numel(args) -> dict[str, tuple[int, int]]:
     return out
 
 
-def analytic_layout(args, dims: ParallelDims, pipeline: PipelineConfig | None, *, precision: str,
-                    ac_mode: str = "none", ac_every_n_layers: int = 2, float8: bool = False) -> ShardedLayout:
+def analytic_layout(
+    args,
+    dims: ParallelDims,
+    pipeline: PipelineConfig | None,
+    *,
+    precision: str,
+    ac_mode: str = "none",
+    ac_every_n_layers: int = 2,
+    float8: bool = False,
+) -> ShardedLayout:
     """A :class:`ShardedLayout` for rank 0 (pp rank 0) from the model arguments alone."""
     numel = module_numel(args)
     units = [["tok_embeddings"], *[[f"layers.{k}"] for k in range(args.n_layers)], ["norm", "output"]]
@@ -48,19 +56,27 @@ def analytic_layout(args, dims: ParallelDims, pipeline: PipelineConfig | None, *
     local_numel = local(mods0)
     elem = 2 if precision == "bf16-true" else 4
     # FSDP units: each block, the embedding, [norm, output]; gathered over dp_shard*cp, per tp rank
-    unit_sizes = [sum(numel[m][0] // t + numel[m][1] for m in u) for u in units
-                  if all(m in mods0 for m in u)]
+    unit_sizes = [sum(numel[m][0] // t + numel[m][1] for m in u) for u in units if all(m in mods0 for m in u)]
     sharded = dims.dp_replicate * fsdp > 1 or precision == "bf16-mixed"
     return ShardedLayout(
-        params_total=sum(a + b for a, b in numel.values()), local_numel=local_numel,
-        local_param_bytes=local_numel * elem, param_dtype=_dtype(elem), fsdp_applied=sharded,
-        layers_on_rank=sum(m.startswith("layers.") for m in mods0), stage_ids=stages0, num_stages=n_stages,
-        unsharded_bf16_bytes=local_numel * fsdp * 2, largest_unit_numel=max(unit_sizes, default=0),
+        params_total=sum(a + b for a, b in numel.values()),
+        local_numel=local_numel,
+        local_param_bytes=local_numel * elem,
+        param_dtype=_dtype(elem),
+        fsdp_applied=sharded,
+        layers_on_rank=sum(m.startswith("layers.") for m in mods0),
+        stage_ids=stages0,
+        num_stages=n_stages,
+        unsharded_bf16_bytes=local_numel * fsdp * 2,
+        largest_unit_numel=max(unit_sizes, default=0),
         pp_rank_numel=[sum(sum(numel[m]) for m in mods) for mods in per_rank_mods],
         pp_rank_layers=[sum(m.startswith("layers.") for m in mods) for mods in per_rank_mods],
         pp_rank_has_output=["output" in mods for mods in per_rank_mods],
-        ac_mode=ac_mode, ac_every_n_layers=ac_every_n_layers, float8_layers=int(float8) * args.n_layers * 7,
-        compiled=False)
+        ac_mode=ac_mode,
+        ac_every_n_layers=ac_every_n_layers,
+        float8_layers=int(float8) * args.n_layers * 7,
+        compiled=False,
+    )
 
 
 def _dtype(elem: int):

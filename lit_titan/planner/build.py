@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from lit_titan.strategies.parallel_dims import ParallelDims
 
 
@@ -89,9 +90,9 @@ def request_transforms(strategy, callbacks: list) -> dict[str, Any]:
 
 def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> ShardedLayout:
     """Meta model -> ``TitanStrategy.parallelize`` over a fake PG of ``dims.world_size`` ranks (rank 0)."""
+    from lit_titan.job.build import build_strategy
     from lit_titan.models.registry import build_model
     from lit_titan.strategies.pipeline import split_units, stage_ids
-    from lit_titan.job.build import build_strategy
 
     strategy = build_strategy(cfg)  # the same constructor call as a training run
     with fake_process_group(dims.world_size):
@@ -132,8 +133,11 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
             kind = next((k for k in kinds if name.endswith(k)), None)
             if kind is not None:
                 kinds.remove(kind)
-                examples[name] = {"global_shape": list(p.shape), "local_shape": list(loc.shape),
-                                  "placements": [str(pl) for pl in getattr(p, "placements", ())]}
+                examples[name] = {
+                    "global_shape": list(p.shape),
+                    "local_shape": list(loc.shape),
+                    "placements": [str(pl) for pl in getattr(p, "placements", ())],
+                }
         # FSDP units and their all-gathered size (over dp_shard*cp; still TP-sharded), bf16.
         fsdp = dims.fsdp_size
         largest = 0
@@ -145,11 +149,22 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
         layers = len(list(plan.blocks(rank_model)))  # under PP: the union of this rank's stages
         f8 = info["float8"]
         return ShardedLayout(
-            params_total=params_total, local_numel=local_numel, local_param_bytes=local_bytes, param_dtype=dtype,
-            fsdp_applied=strategy.fsdp_applied, layers_on_rank=layers,
-            stage_ids=list(strategy.stage_ids), num_stages=strategy.num_stages,
-            unsharded_bf16_bytes=local_numel * fsdp * 2, largest_unit_numel=largest, examples=examples,
-            pp_rank_numel=pp_numel, pp_rank_layers=pp_layers, pp_rank_has_output=pp_out,
-            ac_mode=info["ac_mode"], ac_every_n_layers=info["ac_every_n_layers"],
-            float8_layers=len(f8.converted) if f8 is not None else 0, compiled=info["compiled"],
+            params_total=params_total,
+            local_numel=local_numel,
+            local_param_bytes=local_bytes,
+            param_dtype=dtype,
+            fsdp_applied=strategy.fsdp_applied,
+            layers_on_rank=layers,
+            stage_ids=list(strategy.stage_ids),
+            num_stages=strategy.num_stages,
+            unsharded_bf16_bytes=local_numel * fsdp * 2,
+            largest_unit_numel=largest,
+            examples=examples,
+            pp_rank_numel=pp_numel,
+            pp_rank_layers=pp_layers,
+            pp_rank_has_output=pp_out,
+            ac_mode=info["ac_mode"],
+            ac_every_n_layers=info["ac_every_n_layers"],
+            float8_layers=len(f8.converted) if f8 is not None else 0,
+            compiled=info["compiled"],
         )

@@ -44,8 +44,10 @@ def load_calibration(path: str | Path) -> Efficiencies:
     data = OmegaConf.to_container(OmegaConf.load(p), resolve=True)
     eff = data.get("efficiencies") if isinstance(data, dict) else None
     if not isinstance(eff, dict):
-        raise ConfigError(f"plan.calibration={path} has no 'efficiencies' mapping; regenerate it with "
-                          f"lit-titan plan calibrate=RUN_DIR")
+        raise ConfigError(
+            f"plan.calibration={path} has no 'efficiencies' mapping; regenerate it with "
+            f"lit-titan plan calibrate=RUN_DIR"
+        )
     known = set(Efficiencies.__dataclass_fields__)
     return Efficiencies(**{k: v for k, v in eff.items() if k in known})
 
@@ -63,25 +65,43 @@ def measured(run_dir: str | Path) -> dict[str, Any]:
             rows = list(csv.DictReader(f))[SKIP_STEPS:]
         if rows:
             f = lambda k: statistics.median(float(r[k]) for r in rows)  # noqa: E731
-            busy = statistics.median(float(r["forward_s"]) + float(r["backward_s"]) + float(r["pipeline_s"])
-                                     for r in rows)
-            out.update(step_s=f("wall_s"), busy_s=busy, overhead_s=max(f("wall_s") - busy, 0.0), steps=len(rows),
-                       source="timeline/rank-0.csv")
+            busy = statistics.median(
+                float(r["forward_s"]) + float(r["backward_s"]) + float(r["pipeline_s"]) for r in rows
+            )
+            out.update(
+                step_s=f("wall_s"),
+                busy_s=busy,
+                overhead_s=max(f("wall_s") - busy, 0.0),
+                steps=len(rows),
+                source="timeline/rank-0.csv",
+            )
             return out
     metrics = d / "metrics.csv"
     if not metrics.is_file():
-        raise ConfigError(f"calibrate={run_dir}: neither timeline/rank-0.csv nor metrics.csv; run training with "
-                          f"callbacks including throughput or timeline")
-    tps = [float(r["perf/tokens_per_sec_per_device"]) for r in csv.DictReader(metrics.open())
-           if r.get("perf/tokens_per_sec_per_device")][SKIP_STEPS:]
+        raise ConfigError(
+            f"calibrate={run_dir}: neither timeline/rank-0.csv nor metrics.csv; run training with "
+            f"callbacks including throughput or timeline"
+        )
+    tps = [
+        float(r["perf/tokens_per_sec_per_device"])
+        for r in csv.DictReader(metrics.open())
+        if r.get("perf/tokens_per_sec_per_device")
+    ][SKIP_STEPS:]
     if not tps:
-        raise ConfigError(f"calibrate={run_dir}: metrics.csv has no perf/tokens_per_sec_per_device after step "
-                          f"{SKIP_STEPS}; run more steps with the throughput callback")
+        raise ConfigError(
+            f"calibrate={run_dir}: metrics.csv has no perf/tokens_per_sec_per_device after step "
+            f"{SKIP_STEPS}; run more steps with the throughput callback"
+        )
     from lit_titan.config.spec import world_size
 
     tokens = int(cfg.data.global_batch_size) * int(cfg.data.seq_len)
-    out.update(step_s=tokens / world_size(cfg) / statistics.median(tps), busy_s=None, overhead_s=0.0,
-               steps=len(tps), source="metrics.csv")
+    out.update(
+        step_s=tokens / world_size(cfg) / statistics.median(tps),
+        busy_s=None,
+        overhead_s=0.0,
+        steps=len(tps),
+        source="metrics.csv",
+    )
     return out
 
 
@@ -94,20 +114,37 @@ def _setup(cfg) -> dict[str, Any]:
     args, dims = model_args(cfg), parallel_dims(cfg)
     seq_len, gb, precision = int(cfg.data.seq_len), int(cfg.data.global_batch_size), str(cfg.precision)
     cbs = cfg.get("callbacks") or {}
-    ac = next((str(n.get("mode", "none")) for n in cbs.values() if str(n.get("_target_", "")).endswith(
-        "ActivationCheckpointing")), "none")
+    ac = next(
+        (
+            str(n.get("mode", "none"))
+            for n in cbs.values()
+            if str(n.get("_target_", "")).endswith("ActivationCheckpointing")
+        ),
+        "none",
+    )
     f8 = any(str(n.get("_target_", "")).endswith(".Float8") for n in cbs.values())
     pcfg = pipeline_config(cfg) if dims.pp > 1 else None
     batch = batch_layout(cfg, dims, check=False)
     local = batch.micro
     m = pcfg.microbatches_for(dims.pp) if pcfg else 1
-    return dict(args=args, dims=dims, seq_len=seq_len, gb=gb, accumulation=batch.accumulation, precision=precision,
-                ac=ac, f8=f8, local=local,
-                m=m, v=pcfg.per_rank if pcfg else 1, fpt=flops_per_token(args, seq_len, count_params(args)),
-                layout=analytic_layout(args, dims, pcfg, precision=precision, ac_mode=ac),
-                cluster=OmegaConf.to_container(cfg.cluster, resolve=True),
-                reshard=bool(cfg.parallel.reshard_after_forward),
-                grs=str(cfg.parallel.get("grad_reduce_scatter", "every_microbatch")))
+    return dict(
+        args=args,
+        dims=dims,
+        seq_len=seq_len,
+        gb=gb,
+        accumulation=batch.accumulation,
+        precision=precision,
+        ac=ac,
+        f8=f8,
+        local=local,
+        m=m,
+        v=pcfg.per_rank if pcfg else 1,
+        fpt=flops_per_token(args, seq_len, count_params(args)),
+        layout=analytic_layout(args, dims, pcfg, precision=precision, ac_mode=ac),
+        cluster=OmegaConf.to_container(cfg.cluster, resolve=True),
+        reshard=bool(cfg.parallel.reshard_after_forward),
+        grs=str(cfg.parallel.get("grad_reduce_scatter", "every_microbatch")),
+    )
 
 
 def predict(cfg, eff: Efficiencies) -> dict[str, Any]:
@@ -119,10 +156,24 @@ def _predict(s: dict[str, Any], eff: Efficiencies) -> dict[str, Any]:
     """``predict`` on a layout already worked out (the fit's grid reuses it for every point)."""
     cluster = s["cluster"]
     return estimate.step_time(
-        s["args"], s["dims"], cluster, s["layout"], flops_per_token=s["fpt"], seq_len=s["seq_len"],
-        global_batch=s["gb"], micro_batch=s["local"], pp_microbatches=s["m"], stages_per_rank=s["v"],
-        ac_mode=s["ac"], reshard_after_forward=s["reshard"], precision=s["precision"], grad_reduce_scatter=s["grs"],
-        optimizer="for_loop" if cluster.get("accelerator") == "cpu" else "fused", float8=s["f8"], eff=eff)
+        s["args"],
+        s["dims"],
+        cluster,
+        s["layout"],
+        flops_per_token=s["fpt"],
+        seq_len=s["seq_len"],
+        global_batch=s["gb"],
+        micro_batch=s["local"],
+        pp_microbatches=s["m"],
+        stages_per_rank=s["v"],
+        ac_mode=s["ac"],
+        reshard_after_forward=s["reshard"],
+        precision=s["precision"],
+        grad_reduce_scatter=s["grs"],
+        optimizer="for_loop" if cluster.get("accelerator") == "cpu" else "fused",
+        float8=s["f8"],
+        eff=eff,
+    )
 
 
 def predict_memory(cfg) -> int:
@@ -131,11 +182,20 @@ def predict_memory(cfg) -> int:
     dims = s["dims"]
     micro = max(s["local"] // s["m"], 1) if dims.pp > 1 else s["local"]
     return estimate.rank_memory(
-        s["args"], dims, s["layout"], precision=s["precision"], seq_len=s["seq_len"], micro_batch=micro,
-        pp_microbatches=s["m"], stages_per_rank=s["v"], accumulation=s["accumulation"],
-        reshard_after_forward=s["reshard"], grad_reduce_scatter=s["grs"],
+        s["args"],
+        dims,
+        s["layout"],
+        precision=s["precision"],
+        seq_len=s["seq_len"],
+        micro_batch=micro,
+        pp_microbatches=s["m"],
+        stages_per_rank=s["v"],
+        accumulation=s["accumulation"],
+        reshard_after_forward=s["reshard"],
+        grad_reduce_scatter=s["grs"],
         loss_chunk_tokens=_loss_chunk(cfg, s["args"]),
-        document_masking=bool((cfg.get("data") or {}).get("document_masking", False)))["max_total_bytes"]
+        document_masking=bool((cfg.get("data") or {}).get("document_masking", False)),
+    )["max_total_bytes"]
 
 
 def _loss_chunk(cfg, args) -> int:
@@ -157,8 +217,12 @@ def fit(runs: list[dict[str, Any]], base: Efficiencies = estimate.DEFAULT_EFFICI
 
     best = min(((c, m) for c in grid for m in comms), key=lambda cm: loss(*cm))
     names = ", ".join(Path(r["run_dir"]).name for r in runs)
-    return base.with_(compute=best[0], comm=best[1], overhead_s=overhead,
-                      source=f"calibrated on {names}" + ("" if len(runs) > 1 else " (comm: default, one run)"))
+    return base.with_(
+        compute=best[0],
+        comm=best[1],
+        overhead_s=overhead,
+        source=f"calibrated on {names}" + ("" if len(runs) > 1 else " (comm: default, one run)"),
+    )
 
 
 def calibrate_run(run_dirs: str, out: str | None = None) -> dict[str, Any]:
@@ -167,8 +231,15 @@ def calibrate_run(run_dirs: str, out: str | None = None) -> dict[str, Any]:
     runs = [measured(d) for d in dirs]
     eff = fit(runs)
     path = Path(out) if out else Path(dirs[0]) / "calibration.yaml"
-    report = [{"run_dir": r["run_dir"], "measured_step_s": r["step_s"], "source": r["source"],
-               "predicted_step_s": predict(r["cfg"], eff)["step_s"]} for r in runs]
+    report = [
+        {
+            "run_dir": r["run_dir"],
+            "measured_step_s": r["step_s"],
+            "source": r["source"],
+            "predicted_step_s": predict(r["cfg"], eff)["step_s"],
+        }
+        for r in runs
+    ]
     doc = {"efficiencies": eff.as_dict(), "runs": report}
     path.write_text(OmegaConf.to_yaml(OmegaConf.create(doc)))
     return {"efficiencies": eff.as_dict(), "path": str(path), "runs": report}

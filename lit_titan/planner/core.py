@@ -37,8 +37,9 @@ def _checks(cfg: DictConfig, args, dims, reasons: list[str], schema_checked: boo
         _collect(reasons, batch_layout, cfg, dims)
         if dims.pp > 1:
             micro = batch_layout(cfg, dims, check=False).micro
-            _collect(reasons, lambda: pipeline_config(cfg).validate(pp=dims.pp, n_units=args.n_layers + 2,
-                                                                    local_batch=micro))
+            _collect(
+                reasons, lambda: pipeline_config(cfg).validate(pp=dims.pp, n_units=args.n_layers + 2, local_batch=micro)
+            )
     # anything not covered above (precision, seq_len, max_steps, ...)
     _collect(reasons, lambda: validate(cfg, schema_checked=schema_checked))
 
@@ -55,8 +56,13 @@ def _instantiate_callbacks(cfg: DictConfig, reasons: list[str]) -> list:
     return out
 
 
-def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
-                       eff: estimate.Efficiencies | None = None, *, schema_checked: bool = False) -> dict[str, Any]:
+def make_plan_from_cfg(
+    cfg: DictConfig,
+    overrides: list[str] | None = None,
+    eff: estimate.Efficiencies | None = None,
+    *,
+    schema_checked: bool = False,
+) -> dict[str, Any]:
     """The one-layout plan of ``cfg``; ``eff``: the step-time model's efficiencies (a calibration);
     ``schema_checked``: ``cfg`` came from ``compose(check=True)``."""
     from lit_titan.config.spec import model_args, parallel_dims, world_size
@@ -69,11 +75,27 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     world = world_size(cfg)
     requested = {k: int(cfg.parallel[k]) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
     plan: dict[str, Any] = {
-        "model": str(cfg.model.name), "cluster": cluster, "precision": str(cfg.precision), "world_size": world,
-        "mesh": requested, "params_total": None, "flops_per_token": None,
-        "per_rank": {k: None for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                                       "fsdp_buffer_bytes", "total_bytes")},
-        "fits": False, "reasons": reasons, "overrides": list(overrides or []),
+        "model": str(cfg.model.name),
+        "cluster": cluster,
+        "precision": str(cfg.precision),
+        "world_size": world,
+        "mesh": requested,
+        "params_total": None,
+        "flops_per_token": None,
+        "per_rank": {
+            k: None
+            for k in (
+                "param_bytes",
+                "grad_bytes",
+                "optimizer_bytes",
+                "activation_bytes",
+                "fsdp_buffer_bytes",
+                "total_bytes",
+            )
+        },
+        "fits": False,
+        "reasons": reasons,
+        "overrides": list(overrides or []),
     }
     args = _collect(reasons, model_args, cfg)
     if args is None:
@@ -116,18 +138,36 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     from lit_titan.models.loss import resolve_chunk_tokens
 
     loss_chunk = resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
-    mem = estimate.rank_memory(args, dims, layout, precision=precision, seq_len=seq_len, micro_batch=micro,
-                               pp_microbatches=pp_micro, stages_per_rank=stages_per_rank,
-                               accumulation=accumulation, reshard_after_forward=reshard,
-                               grad_reduce_scatter=grad_reduce_scatter, loss_chunk_tokens=loss_chunk,
-                               document_masking=bool((cfg.get("data") or {}).get("document_masking", False)))
+    mem = estimate.rank_memory(
+        args,
+        dims,
+        layout,
+        precision=precision,
+        seq_len=seq_len,
+        micro_batch=micro,
+        pp_microbatches=pp_micro,
+        stages_per_rank=stages_per_rank,
+        accumulation=accumulation,
+        reshard_after_forward=reshard,
+        grad_reduce_scatter=grad_reduce_scatter,
+        loss_chunk_tokens=loss_chunk,
+        document_masking=bool((cfg.get("data") or {}).get("document_masking", False)),
+    )
     param_bytes, grad_bytes, optimizer_bytes = mem["param_bytes"], mem["grad_bytes"], mem["optimizer_bytes"]
     buffers, act0 = mem["fsdp_buffer_bytes"], mem["activation_detail"]
     plan["per_rank"] = {
-        "rank": 0, "param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes,
-        "activation_bytes": act0["total"], "fsdp_buffer_bytes": buffers, "total_bytes": mem["total_bytes"],
-        "param_numel": layout.local_numel, "param_dtype": str(layout.param_dtype).replace("torch.", ""),
-        "layers": layout.layers_on_rank, "stage_ids": layout.stage_ids, "activation_detail": act0,
+        "rank": 0,
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optimizer_bytes": optimizer_bytes,
+        "activation_bytes": act0["total"],
+        "fsdp_buffer_bytes": buffers,
+        "total_bytes": mem["total_bytes"],
+        "param_numel": layout.local_numel,
+        "param_dtype": str(layout.param_dtype).replace("torch.", ""),
+        "layers": layout.layers_on_rank,
+        "stage_ids": layout.stage_ids,
+        "activation_detail": act0,
         "example_parameters": layout.examples,
     }
     if dims.pp > 1:
@@ -141,45 +181,85 @@ def make_plan_from_cfg(cfg: DictConfig, overrides: list[str] | None = None,
     if hbm:
         capacity = (hbm - HBM_RESERVE_GIB) * GIB
         if plan["max_total_bytes"] > capacity:
-            unsharded_hint = ("keep gradients sharded (parallel.grad_reduce_scatter=every_microbatch), "
-                              if grad_bytes > param_bytes else "")
+            unsharded_hint = (
+                "keep gradients sharded (parallel.grad_reduce_scatter=every_microbatch), "
+                if grad_bytes > param_bytes
+                else ""
+            )
             where = f"pp rank {plan.get('most_loaded_pp_rank', 0)}" if dims.pp > 1 else "rank 0"
-            reasons.append(f"out of memory: {where} needs an estimated {plan['max_total_bytes'] / GIB:.1f} GiB "
-                           f"(params {param_bytes / GIB:.1f} + grads {grad_bytes / GIB:.1f} + AdamW "
-                           f"{optimizer_bytes / GIB:.1f} + activations {act0['total'] / GIB:.1f} + FSDP buffers "
-                           f"{buffers / GIB:.1f} on rank 0) > {hbm:g} GiB HBM - {HBM_RESERVE_GIB:g} GiB reserve; "
-                           f"{unsharded_hint}shard more (parallel.tp/pp), checkpoint activations (mode=full) or "
-                           f"lower data.micro_batch_size")
+            reasons.append(
+                f"out of memory: {where} needs an estimated {plan['max_total_bytes'] / GIB:.1f} GiB "
+                f"(params {param_bytes / GIB:.1f} + grads {grad_bytes / GIB:.1f} + AdamW "
+                f"{optimizer_bytes / GIB:.1f} + activations {act0['total'] / GIB:.1f} + FSDP buffers "
+                f"{buffers / GIB:.1f} on rank 0) > {hbm:g} GiB HBM - {HBM_RESERVE_GIB:g} GiB reserve; "
+                f"{unsharded_hint}shard more (parallel.tp/pp), checkpoint activations (mode=full) or "
+                f"lower data.micro_batch_size"
+            )
     else:  # not a reason against the layout: the fit is unknown (fits: null), said so
         on_gpu = cluster.get("accelerator") == "gpu"
-        plan["fit_unknown"] = ("the cluster profile has no hbm_gib" + (" and no CUDA GPU is visible here" if on_gpu else
-                                                                      f" (accelerator={cluster.get('accelerator')})")
-                               + "; add +cluster.hbm_gib=N (GiB per GPU), pick a profile such as cluster=h100_8"
-                               + (", or plan on the GPU machine" if on_gpu else ""))
+        plan["fit_unknown"] = (
+            "the cluster profile has no hbm_gib"
+            + (" and no CUDA GPU is visible here" if on_gpu else f" (accelerator={cluster.get('accelerator')})")
+            + "; add +cluster.hbm_gib=N (GiB per GPU), pick a profile such as cluster=h100_8"
+            + (", or plan on the GPU machine" if on_gpu else "")
+        )
 
     plan["perf"] = estimate.step_time(
-        args, dims, cluster, layout, flops_per_token=plan["flops_per_token"], seq_len=seq_len,
-        global_batch=global_batch, micro_batch=local_batch, pp_microbatches=pp_micro,
-        stages_per_rank=stages_per_rank, ac_mode=layout.ac_mode, reshard_after_forward=reshard,
-        precision=precision, grad_reduce_scatter=grad_reduce_scatter,
-        optimizer=_optimizer_implementation(cfg, cluster, layout), float8=layout.float8_layers > 0,
-        eff=eff or estimate.DEFAULT_EFFICIENCIES)
-    plan["gradients"] = {"accumulation": accumulation, "grad_reduce_scatter": grad_reduce_scatter,
-                         "unsharded_between_micro_batches": grad_bytes > param_bytes}
-    plan["transforms"] = {"activation_checkpointing": layout.ac_mode, "compile": layout.compiled,
-                          "float8_linears": layout.float8_layers}
-    plan["pipeline"] = ({"schedule": pcfg.schedule, "stages_per_rank": stages_per_rank, "microbatches": pp_micro,
-                         "num_stages": layout.num_stages} if dims.pp > 1 else None)
-    plan["batch"] = {"global_batch_size": global_batch, "local_batch_size": local_batch, "micro_batch": micro,
-                     "seq_len": seq_len}
+        args,
+        dims,
+        cluster,
+        layout,
+        flops_per_token=plan["flops_per_token"],
+        seq_len=seq_len,
+        global_batch=global_batch,
+        micro_batch=local_batch,
+        pp_microbatches=pp_micro,
+        stages_per_rank=stages_per_rank,
+        ac_mode=layout.ac_mode,
+        reshard_after_forward=reshard,
+        precision=precision,
+        grad_reduce_scatter=grad_reduce_scatter,
+        optimizer=_optimizer_implementation(cfg, cluster, layout),
+        float8=layout.float8_layers > 0,
+        eff=eff or estimate.DEFAULT_EFFICIENCIES,
+    )
+    plan["gradients"] = {
+        "accumulation": accumulation,
+        "grad_reduce_scatter": grad_reduce_scatter,
+        "unsharded_between_micro_batches": grad_bytes > param_bytes,
+    }
+    plan["transforms"] = {
+        "activation_checkpointing": layout.ac_mode,
+        "compile": layout.compiled,
+        "float8_linears": layout.float8_layers,
+    }
+    plan["pipeline"] = (
+        {
+            "schedule": pcfg.schedule,
+            "stages_per_rank": stages_per_rank,
+            "microbatches": pp_micro,
+            "num_stages": layout.num_stages,
+        }
+        if dims.pp > 1
+        else None
+    )
+    plan["batch"] = {
+        "global_batch_size": global_batch,
+        "local_batch_size": local_batch,
+        "micro_batch": micro,
+        "seq_len": seq_len,
+    }
     e = eff or estimate.DEFAULT_EFFICIENCIES
     plan["assumptions"] = {
-        "compute_efficiency": e.compute, "comm_efficiency": e.comm, "efficiencies": e.as_dict(),
+        "compute_efficiency": e.compute,
+        "comm_efficiency": e.comm,
+        "efficiencies": e.as_dict(),
         "hbm_reserve_gib": HBM_RESERVE_GIB,
-        "hbm_efficiency": e.hbm, "adamw_tensor_passes": estimate.ADAMW_TENSOR_PASSES,
+        "hbm_efficiency": e.hbm,
+        "adamw_tensor_passes": estimate.ADAMW_TENSOR_PASSES,
         "bandwidth_units": "GB/s per GPU per direction (cluster.intra_node_gbps / inter_node_gbps)",
         "not_modelled": "FP8 all-gather savings, compile's memory savings, async TP, "
-                        "pipeline p2p, the optimizer step on the CPU (cpu_offload)",
+        "pipeline p2p, the optimizer step on the CPU (cpu_offload)",
     }
     return _finish(plan, t0)
 
@@ -232,28 +312,32 @@ def render_table(plan: dict[str, Any]) -> str:
     m = plan["mesh"]
     pr = plan["per_rank"]
     lines = [
-        f"plan: {plan['model']} on {plan['world_size']} x {plan['cluster'].get('accelerator')} "
-        f"({plan['precision']})",
+        f"plan: {plan['model']} on {plan['world_size']} x {plan['cluster'].get('accelerator')} ({plan['precision']})",
         "mesh: " + "  ".join(f"{k}={v}" for k, v in m.items()),
         f"params_total: {plan['params_total']:,}" if plan["params_total"] else "params_total: -",
         f"flops_per_token: {plan['flops_per_token']:.4g}" if plan["flops_per_token"] else "flops_per_token: -",
         "per rank (rank 0):",
     ]
-    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "fsdp_buffer_bytes",
-                "total_bytes"):
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "fsdp_buffer_bytes", "total_bytes"):
         lines.append(f"  {key:<18} {_gib(pr.get(key))}")
     if plan.get("hbm_bytes"):
-        lines.append(f"  {'hbm (reserve)':<18} {_gib(plan['hbm_bytes'])} ({_gib(plan['reserve_bytes']).strip()}; "
-                     f"from {plan['hbm_source']})")
+        lines.append(
+            f"  {'hbm (reserve)':<18} {_gib(plan['hbm_bytes'])} ({_gib(plan['reserve_bytes']).strip()}; "
+            f"from {plan['hbm_source']})"
+        )
     for row in plan.get("per_pp_rank", []):
-        lines.append(f"  pp rank {row['pp_rank']}: {row['layers']} blocks{' +head' if row['has_output'] else ''}"
-                     f"  total {_gib(row['total_bytes'])}")
+        lines.append(
+            f"  pp rank {row['pp_rank']}: {row['layers']} blocks{' +head' if row['has_output'] else ''}"
+            f"  total {_gib(row['total_bytes'])}"
+        )
     perf = plan.get("perf") or {}
     if perf.get("available"):
-        lines.append(f"step: {perf['step_s']:.2f} s (compute {perf['compute_s']:.2f}, fsdp {perf['fsdp_comm_s']:.2f} "
-                     f"[{perf['fsdp_link']}], tp {perf['tp_comm_s']:.2f}, bubble {perf['pp_bubble_fraction']:.1%}, "
-                     f"optimizer {perf['optimizer_s']:.3f} [{perf['optimizer']}])  "
-                     f"tokens/s/device {perf['tokens_per_sec_per_device']:.0f}  MFU bound {perf['mfu_bound']:.1%}")
+        lines.append(
+            f"step: {perf['step_s']:.2f} s (compute {perf['compute_s']:.2f}, fsdp {perf['fsdp_comm_s']:.2f} "
+            f"[{perf['fsdp_link']}], tp {perf['tp_comm_s']:.2f}, bubble {perf['pp_bubble_fraction']:.1%}, "
+            f"optimizer {perf['optimizer_s']:.3f} [{perf['optimizer']}])  "
+            f"tokens/s/device {perf['tokens_per_sec_per_device']:.0f}  MFU bound {perf['mfu_bound']:.1%}"
+        )
     if plan["fits"] is None:
         lines.append(f"fit unknown: {plan['fit_unknown']}")
     else:

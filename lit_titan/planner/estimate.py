@@ -88,8 +88,16 @@ def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str)
     raise ValueError(mode)
 
 
-def attention_mask_bytes(args, seq_len: int, micro_batch: int, *, document_masking: bool, cp: int = 1,
-                         act_elem: int = 2, layers_kept: float = 0.0) -> dict[str, int]:
+def attention_mask_bytes(
+    args,
+    seq_len: int,
+    micro_batch: int,
+    *,
+    document_masking: bool,
+    cp: int = 1,
+    act_elem: int = 2,
+    layers_kept: float = 0.0,
+) -> dict[str, int]:
     """Dense masks of the SDPA path (lit_titan/models/llama3/attention.py): the bools the model builds and
     the additive copies SDPA saves for backward.
 
@@ -129,17 +137,30 @@ def activation_elem_bytes(precision: str) -> int:
     return 4 if str(precision).split("-")[0] in ("32", "64") else 2
 
 
-def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, every_n_layers: int,
-                     layers_on_rank: int, has_output: bool, pp_microbatches: int, stages_per_rank: int,
-                     loss_chunk_tokens: int = 0, act_elem: int = 2, document_masking: bool = False
-                     ) -> dict[str, Any]:
+def activation_bytes(
+    args,
+    dims,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    mode: str,
+    every_n_layers: int,
+    layers_on_rank: int,
+    has_output: bool,
+    pp_microbatches: int,
+    stages_per_rank: int,
+    loss_chunk_tokens: int = 0,
+    act_elem: int = 2,
+    document_masking: bool = False,
+) -> dict[str, Any]:
     t, cp, p, v = dims.tp, dims.cp, dims.pp, stages_per_rank
     width = act_elem / 2  # the per-block formulas count 16-bit elements
     s, b = seq_len, micro_batch
     if mode == "selective_layer":
         n_ckpt = (layers_on_rank + every_n_layers - 1) // every_n_layers
-        mixed = (n_ckpt * per_block_activation_bytes(args, s, b, t, cp, "full")
-                 + (layers_on_rank - n_ckpt) * per_block_activation_bytes(args, s, b, t, cp, "none"))
+        mixed = n_ckpt * per_block_activation_bytes(args, s, b, t, cp, "full") + (
+            layers_on_rank - n_ckpt
+        ) * per_block_activation_bytes(args, s, b, t, cp, "none")
         per_block = mixed / max(layers_on_rank, 1)
     else:
         per_block = per_block_activation_bytes(args, s, b, t, cp, mode)
@@ -164,15 +185,25 @@ def activation_bytes(args, dims, *, seq_len: int, micro_batch: int, mode: str, e
     if kept is None:  # selective_layer
         n_ckpt = (layers_on_rank + every_n_layers - 1) // every_n_layers
         kept = (layers_on_rank - n_ckpt) / max(layers_on_rank, 1)
-    masks = attention_mask_bytes(args, s, b, document_masking=document_masking, cp=cp, act_elem=act_elem,
-                                 layers_kept=in_flight * kept)
+    masks = attention_mask_bytes(
+        args, s, b, document_masking=document_masking, cp=cp, act_elem=act_elem, layers_kept=in_flight * kept
+    )
     if mode != "none":
         recompute_peak += masks["per_layer"]
     total = blocks + embedding + max(loss, recompute_peak) + masks["bool"] + masks["saved"]
-    return {"total": int(total), "blocks": int(blocks), "blocks_in_flight": in_flight,
-            "attention_mask": masks["bool"] + masks["saved"], "attention_mask_detail": masks,
-            "per_block": int(per_block), "recompute_peak": int(recompute_peak), "embedding": int(embedding),
-            "loss": int(loss), "micro_batch": b, "mode": mode}
+    return {
+        "total": int(total),
+        "blocks": int(blocks),
+        "blocks_in_flight": in_flight,
+        "attention_mask": masks["bool"] + masks["saved"],
+        "attention_mask_detail": masks,
+        "per_block": int(per_block),
+        "recompute_peak": int(recompute_peak),
+        "embedding": int(embedding),
+        "loss": int(loss),
+        "micro_batch": b,
+        "mode": mode,
+    }
 
 
 def fsdp_buffer_bytes(layout, dims, precision: str, reshard_after_forward: bool) -> int:
@@ -191,8 +222,9 @@ def fsdp_buffer_bytes(layout, dims, precision: str, reshard_after_forward: bool)
     return int(2 * layout.largest_unit_numel * gather + layout.largest_unit_numel * grad)
 
 
-def gradient_bytes(layout, dims, precision: str, sharded_bytes: int, *, accumulation: int,
-                   grad_reduce_scatter: str) -> int:
+def gradient_bytes(
+    layout, dims, precision: str, sharded_bytes: int, *, accumulation: int, grad_reduce_scatter: str
+) -> int:
     """Gradient storage per rank between micro-batches (parallel.grad_reduce_scatter).
 
     FSDP2 keeps sharded gradients in the sharded parameter's dtype (``sharded_bytes``). With
@@ -201,17 +233,32 @@ def gradient_bytes(layout, dims, precision: str, sharded_bytes: int, *, accumula
     over dp_shard*cp) in the reduce dtype instead; the sharded ones are built from them unit by unit.
     Under PP torch's schedule reduces after every schedule step, so gradients stay sharded.
     """
-    if (grad_reduce_scatter != "last_microbatch" or accumulation <= 1 or dims.pp > 1 or not layout.fsdp_applied):
+    if grad_reduce_scatter != "last_microbatch" or accumulation <= 1 or dims.pp > 1 or not layout.fsdp_applied:
         return sharded_bytes
     reduce_elem = 2 if precision == "bf16-true" else 4
     return layout.local_numel * dims.fsdp_size * reduce_elem
 
 
-def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: int, global_batch: int,
-              micro_batch: int, pp_microbatches: int, stages_per_rank: int, ac_mode: str,
-              reshard_after_forward: bool, precision: str, grad_reduce_scatter: str = "every_microbatch",
-              optimizer: str = "fused", float8: bool = False,
-              eff: Efficiencies = DEFAULT_EFFICIENCIES) -> dict[str, Any]:
+def step_time(
+    args,
+    dims,
+    cluster,
+    layout,
+    *,
+    flops_per_token: float,
+    seq_len: int,
+    global_batch: int,
+    micro_batch: int,
+    pp_microbatches: int,
+    stages_per_rank: int,
+    ac_mode: str,
+    reshard_after_forward: bool,
+    precision: str,
+    grad_reduce_scatter: str = "every_microbatch",
+    optimizer: str = "fused",
+    float8: bool = False,
+    eff: Efficiencies = DEFAULT_EFFICIENCIES,
+) -> dict[str, Any]:
     """A deliberately simple bound: compute, exposed communication, pipeline bubble.
 
     compute   = model FLOPs of the rank's share of the step * recompute factor / (peak * efficiency)
@@ -237,8 +284,10 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
     inter = float(cluster.get("inter_node_gbps") or 0) * 1e9
     per_node = int(cluster.get("gpus_per_node") or cluster.get("devices") or 1)
     if not peak or not intra:
-        return {"available": False, "why": "cluster profile lacks peak_bf16_tflops (peak_fp32_tflops) / "
-                                           "intra_node_gbps"}
+        return {
+            "available": False,
+            "why": "cluster profile lacks peak_bf16_tflops (peak_fp32_tflops) / intra_node_gbps",
+        }
 
     def bandwidth(span: int) -> float:
         return (intra if span <= per_node or not inter else inter) * eff.comm
@@ -292,25 +341,50 @@ def step_time(args, dims, cluster, layout, *, flops_per_token: float, seq_len: i
     # AdamW on this rank's shard: memory-bound. Not modelled on the host (cpu_offload: for_loop on CPU).
     hbm_bw = float(cluster.get("hbm_gbps") or 0) * 1e9 * eff.hbm
     state_bytes = layout.local_param_bytes if precision != "bf16-true" else layout.local_numel * 2
-    optimizer_s = (ADAMW_TENSOR_PASSES[optimizer] * state_bytes / hbm_bw
-                   if hbm_bw and optimizer != "for_loop" else 0.0)
+    optimizer_s = ADAMW_TENSOR_PASSES[optimizer] * state_bytes / hbm_bw if hbm_bw and optimizer != "for_loop" else 0.0
     step_s = busy / (1 - bubble) + hsdp_s + optimizer_s + eff.overhead_s * share
     mfu = rank_flops / (step_s * peak)
-    return {"available": True, "step_s": step_s, "compute_s": compute_s, "fsdp_comm_s": fsdp_s, "tp_comm_s": tp_s,
-            "cp_comm_s": cp_s, "hsdp_comm_s": hsdp_s, "overhead_s": eff.overhead_s,
-            "exposed_fsdp_s": max(fsdp_s - compute_s, 0.0),
-            "bubble_s": busy / (1 - bubble) - busy, "pp_bubble_fraction": bubble, "recompute_factor": recompute,
-            "tokens_per_step": tokens_step, "tokens_per_sec_per_device": tokens_step / step_s / dims.world_size,
-            "mfu_bound": mfu, "gradient_accumulation": accumulation, "fsdp_reduce_scatters": reduce_scatters,
-            "optimizer": optimizer, "optimizer_s": optimizer_s,
-            "fsdp_link": "nvlink" if n * dims.tp <= per_node else "infiniband",
-            "tp_link": "nvlink" if dims.tp <= per_node else "infiniband"}
+    return {
+        "available": True,
+        "step_s": step_s,
+        "compute_s": compute_s,
+        "fsdp_comm_s": fsdp_s,
+        "tp_comm_s": tp_s,
+        "cp_comm_s": cp_s,
+        "hsdp_comm_s": hsdp_s,
+        "overhead_s": eff.overhead_s,
+        "exposed_fsdp_s": max(fsdp_s - compute_s, 0.0),
+        "bubble_s": busy / (1 - bubble) - busy,
+        "pp_bubble_fraction": bubble,
+        "recompute_factor": recompute,
+        "tokens_per_step": tokens_step,
+        "tokens_per_sec_per_device": tokens_step / step_s / dims.world_size,
+        "mfu_bound": mfu,
+        "gradient_accumulation": accumulation,
+        "fsdp_reduce_scatters": reduce_scatters,
+        "optimizer": optimizer,
+        "optimizer_s": optimizer_s,
+        "fsdp_link": "nvlink" if n * dims.tp <= per_node else "infiniband",
+        "tp_link": "nvlink" if dims.tp <= per_node else "infiniband",
+    }
 
 
-def rank_memory(args, dims, layout, *, precision: str, seq_len: int, micro_batch: int, pp_microbatches: int,
-                stages_per_rank: int, accumulation: int, reshard_after_forward: bool,
-                grad_reduce_scatter: str, loss_chunk_tokens: int = 0, document_masking: bool = False
-                ) -> dict[str, Any]:
+def rank_memory(
+    args,
+    dims,
+    layout,
+    *,
+    precision: str,
+    seq_len: int,
+    micro_batch: int,
+    pp_microbatches: int,
+    stages_per_rank: int,
+    accumulation: int,
+    reshard_after_forward: bool,
+    grad_reduce_scatter: str,
+    loss_chunk_tokens: int = 0,
+    document_masking: bool = False,
+) -> dict[str, Any]:
     """Per-rank memory of a layout: rank 0's breakdown, every pipeline rank's total, and the maximum.
 
     One function for both the one-layout plan (``layout`` measured on the meta model) and the search
@@ -318,17 +392,28 @@ def rank_memory(args, dims, layout, *, precision: str, seq_len: int, micro_batch
     """
     state_elem = 2 if precision == "bf16-true" else layout.local_param_bytes // max(layout.local_numel, 1)
     param_bytes = layout.local_numel * state_elem
-    grad_bytes = gradient_bytes(layout, dims, precision, param_bytes, accumulation=accumulation,
-                                grad_reduce_scatter=grad_reduce_scatter)
+    grad_bytes = gradient_bytes(
+        layout, dims, precision, param_bytes, accumulation=accumulation, grad_reduce_scatter=grad_reduce_scatter
+    )
     optimizer_bytes = 2 * param_bytes  # AdamW: exp_avg and exp_avg_sq, same dtype as the parameter
     buffers = fsdp_buffer_bytes(layout, dims, precision, reshard_after_forward)
 
     def acts(layers: int, has_output: bool) -> dict[str, Any]:
-        return activation_bytes(args, dims, seq_len=seq_len, micro_batch=micro_batch, mode=layout.ac_mode,
-                                every_n_layers=layout.ac_every_n_layers, layers_on_rank=layers,
-                                has_output=has_output, pp_microbatches=pp_microbatches,
-                                stages_per_rank=stages_per_rank, loss_chunk_tokens=loss_chunk_tokens,
-                                act_elem=activation_elem_bytes(precision), document_masking=document_masking)
+        return activation_bytes(
+            args,
+            dims,
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            mode=layout.ac_mode,
+            every_n_layers=layout.ac_every_n_layers,
+            layers_on_rank=layers,
+            has_output=has_output,
+            pp_microbatches=pp_microbatches,
+            stages_per_rank=stages_per_rank,
+            loss_chunk_tokens=loss_chunk_tokens,
+            act_elem=activation_elem_bytes(precision),
+            document_masking=document_masking,
+        )
 
     act0 = acts(layout.layers_on_rank, layout.pp_rank_has_output[0])
     total0 = param_bytes + grad_bytes + optimizer_bytes + act0["total"] + buffers
@@ -337,17 +422,34 @@ def rank_memory(args, dims, layout, *, precision: str, seq_len: int, micro_batch
     # plus the loss buffers on the rank holding the output head.
     per_pp = []
     if dims.pp > 1:
-        for r, (numel, layers, has_out) in enumerate(zip(layout.pp_rank_numel, layout.pp_rank_layers,
-                                                         layout.pp_rank_has_output)):
+        for r, (numel, layers, has_out) in enumerate(
+            zip(layout.pp_rank_numel, layout.pp_rank_layers, layout.pp_rank_has_output)
+        ):
             scale = numel / layout.pp_rank_numel[0]
             a = acts(layers, has_out)["total"]
             states = int((param_bytes + grad_bytes + optimizer_bytes) * scale)
-            per_pp.append({"pp_rank": r, "params_unsharded": numel, "layers": layers, "has_output": has_out,
-                           "state_bytes": states, "activation_bytes": a, "fsdp_buffer_bytes": int(buffers * scale),
-                           "total_bytes": int(states + a + buffers * scale)})
+            per_pp.append(
+                {
+                    "pp_rank": r,
+                    "params_unsharded": numel,
+                    "layers": layers,
+                    "has_output": has_out,
+                    "state_bytes": states,
+                    "activation_bytes": a,
+                    "fsdp_buffer_bytes": int(buffers * scale),
+                    "total_bytes": int(states + a + buffers * scale),
+                }
+            )
     worst = max(per_pp, key=lambda d: d["total_bytes"]) if per_pp else None
-    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes,
-            "activation_bytes": act0["total"], "fsdp_buffer_bytes": buffers, "total_bytes": total0,
-            "activation_detail": act0, "per_pp_rank": per_pp,
-            "most_loaded_pp_rank": worst["pp_rank"] if worst else 0,
-            "max_total_bytes": max(worst["total_bytes"], total0) if worst else total0}
+    return {
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optimizer_bytes": optimizer_bytes,
+        "activation_bytes": act0["total"],
+        "fsdp_buffer_bytes": buffers,
+        "total_bytes": total0,
+        "activation_detail": act0,
+        "per_pp_rank": per_pp,
+        "most_loaded_pp_rank": worst["pp_rank"] if worst else 0,
+        "max_total_bytes": max(worst["total_bytes"], total0) if worst else total0,
+    }

@@ -34,9 +34,15 @@ from lit_titan.strategies.pipeline import PipelineConfig
 AC_MODES = ("none", "selective_op", "full")
 SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
 # step-time terms compared to say why the runner-up lost (plan key, words)
-TERMS = (("compute_s", "compute"), ("exposed_fsdp_s", "exposed FSDP communication"),
-         ("tp_comm_s", "TP communication"), ("cp_comm_s", "CP communication"), ("bubble_s", "pipeline bubble"),
-         ("hsdp_comm_s", "HSDP all-reduce"), ("optimizer_s", "optimizer step"))
+TERMS = (
+    ("compute_s", "compute"),
+    ("exposed_fsdp_s", "exposed FSDP communication"),
+    ("tp_comm_s", "TP communication"),
+    ("cp_comm_s", "CP communication"),
+    ("bubble_s", "pipeline bubble"),
+    ("hsdp_comm_s", "HSDP all-reduce"),
+    ("optimizer_s", "optimizer step"),
+)
 
 
 @dataclass
@@ -70,8 +76,12 @@ class Candidate:
         d = self.dims
         out = [f"parallel.{k}={v}" for k, v in d.as_dict().items()]
         if self.schedule:
-            out += [f"parallel.pp_schedule={self.schedule}", f"parallel.pp_stages_per_rank={self.stages_per_rank}",
-                    f"parallel.pp_microbatches={self.pp_microbatches}", f"data.micro_batch_size={self.local_batch}"]
+            out += [
+                f"parallel.pp_schedule={self.schedule}",
+                f"parallel.pp_stages_per_rank={self.stages_per_rank}",
+                f"parallel.pp_microbatches={self.pp_microbatches}",
+                f"data.micro_batch_size={self.local_batch}",
+            ]
         else:
             out += [f"data.micro_batch_size={self.micro_batch}"]
             if self.grad_reduce_scatter != "every_microbatch":
@@ -91,8 +101,9 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def enumerate_layouts(args, *, world: int, seq_len: int, global_batch: int, gpus_per_node: int,
-                      fp8: bool) -> list[Candidate]:
+def enumerate_layouts(
+    args, *, world: int, seq_len: int, global_batch: int, gpus_per_node: int, fp8: bool
+) -> list[Candidate]:
     """Every candidate whose degrees divide the world and the model (no memory or time yet)."""
     out: list[Candidate] = []
     n_units = args.n_layers + 2
@@ -136,9 +147,20 @@ def _batch_options(dims: ParallelDims, local: int, n_units: int, fp8: bool) -> l
     return out
 
 
-def evaluate(cands: list[Candidate], args, cluster: dict[str, Any], *, precision: str, seq_len: int,
-             global_batch: int, flops_per_token: float, eff: estimate.Efficiencies, optimizer: str,
-             reshard_after_forward: bool = True, loss_chunk_tokens: int = 0) -> None:
+def evaluate(
+    cands: list[Candidate],
+    args,
+    cluster: dict[str, Any],
+    *,
+    precision: str,
+    seq_len: int,
+    global_batch: int,
+    flops_per_token: float,
+    eff: estimate.Efficiencies,
+    optimizer: str,
+    reshard_after_forward: bool = True,
+    loss_chunk_tokens: int = 0,
+) -> None:
     """Fill each candidate's memory and (when it fits) predicted step; layouts are built once per mesh."""
     layouts: dict[tuple, Any] = {}
     capacity = _capacity(cluster)
@@ -149,26 +171,49 @@ def evaluate(cands: list[Candidate], args, cluster: dict[str, Any], *, precision
             layouts[key] = analytic_layout(args, c.dims, pcfg, precision=precision)
         layout = replace(layouts[key], ac_mode=c.ac_mode, float8_layers=int(c.float8))
         c.memory = estimate.rank_memory(
-            args, c.dims, layout, precision=precision, seq_len=seq_len, micro_batch=c.micro_batch,
-            pp_microbatches=c.pp_microbatches, stages_per_rank=c.stages_per_rank, accumulation=c.accumulation,
-            reshard_after_forward=reshard_after_forward, grad_reduce_scatter=c.grad_reduce_scatter,
-            loss_chunk_tokens=loss_chunk_tokens)
+            args,
+            c.dims,
+            layout,
+            precision=precision,
+            seq_len=seq_len,
+            micro_batch=c.micro_batch,
+            pp_microbatches=c.pp_microbatches,
+            stages_per_rank=c.stages_per_rank,
+            accumulation=c.accumulation,
+            reshard_after_forward=reshard_after_forward,
+            grad_reduce_scatter=c.grad_reduce_scatter,
+            loss_chunk_tokens=loss_chunk_tokens,
+        )
         if capacity is not None and c.memory["max_total_bytes"] > capacity:
             continue
         c.perf = estimate.step_time(
-            args, c.dims, cluster, layout, flops_per_token=flops_per_token, seq_len=seq_len,
-            global_batch=global_batch, micro_batch=c.micro_batch if not c.schedule else c.local_batch,
-            pp_microbatches=c.pp_microbatches, stages_per_rank=c.stages_per_rank, ac_mode=c.ac_mode,
-            reshard_after_forward=reshard_after_forward, precision=precision,
-            grad_reduce_scatter=c.grad_reduce_scatter, optimizer=optimizer, float8=c.float8, eff=eff)
+            args,
+            c.dims,
+            cluster,
+            layout,
+            flops_per_token=flops_per_token,
+            seq_len=seq_len,
+            global_batch=global_batch,
+            micro_batch=c.micro_batch if not c.schedule else c.local_batch,
+            pp_microbatches=c.pp_microbatches,
+            stages_per_rank=c.stages_per_rank,
+            ac_mode=c.ac_mode,
+            reshard_after_forward=reshard_after_forward,
+            precision=precision,
+            grad_reduce_scatter=c.grad_reduce_scatter,
+            optimizer=optimizer,
+            float8=c.float8,
+            eff=eff,
+        )
 
 
 def _capacity(cluster: dict[str, Any]) -> float | None:
     return (float(cluster["hbm_gib"]) - HBM_RESERVE_GIB) * GIB if cluster.get("hbm_gib") else None
 
 
-def search(cfg: DictConfig, overrides: list[str], *, eff: estimate.Efficiencies | None = None, top: int = 10,
-           confirm: int = 3) -> dict[str, Any]:
+def search(
+    cfg: DictConfig, overrides: list[str], *, eff: estimate.Efficiencies | None = None, top: int = 10, confirm: int = 3
+) -> dict[str, Any]:
     """Rank every valid layout of ``cfg``'s model on its cluster; raise ConfigError when none fits."""
     from lit_titan.config.spec import model_args, world_size
     from lit_titan.models.registry import count_params, flops_per_token
@@ -179,30 +224,54 @@ def search(cfg: DictConfig, overrides: list[str], *, eff: estimate.Efficiencies 
     args = model_args(cfg)
     cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
     if not cluster.get("hbm_gib"):
-        raise ConfigError("plan search needs the GPU memory: the cluster profile has no hbm_gib; add "
-                          "+cluster.hbm_gib=N (GiB per device) or pick a profile such as cluster=h100_8")
+        raise ConfigError(
+            "plan search needs the GPU memory: the cluster profile has no hbm_gib; add "
+            "+cluster.hbm_gib=N (GiB per device) or pick a profile such as cluster=h100_8"
+        )
     world, seq_len = world_size(cfg), int(cfg.data.seq_len)
     global_batch, precision = int(cfg.data.global_batch_size), str(cfg.precision)
     fpt = flops_per_token(args, seq_len, num_params=count_params(args))
     probe = analytic_layout(args, ParallelDims(world_size=1, dp_shard=1), None, precision=precision)
     optimizer = _optimizer_implementation(cfg, cluster, probe)
-    cands = enumerate_layouts(args, world=world, seq_len=seq_len, global_batch=global_batch,
-                              gpus_per_node=int(cluster.get("gpus_per_node") or cluster.get("devices") or 1),
-                              fp8=bool(cluster.get("fp8")))
+    cands = enumerate_layouts(
+        args,
+        world=world,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        gpus_per_node=int(cluster.get("gpus_per_node") or cluster.get("devices") or 1),
+        fp8=bool(cluster.get("fp8")),
+    )
     from lit_titan.models.loss import resolve_chunk_tokens
 
     loss_chunk = resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
-    evaluate(cands, args, cluster, precision=precision, seq_len=seq_len, global_batch=global_batch,
-             flops_per_token=fpt, eff=eff, optimizer=optimizer, loss_chunk_tokens=loss_chunk)
-    fitting = sorted((c for c in cands if c.perf), key=lambda c: (-c.tokens_per_sec, c.float8,
-                                                                       c.memory["max_total_bytes"]))
+    evaluate(
+        cands,
+        args,
+        cluster,
+        precision=precision,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        flops_per_token=fpt,
+        eff=eff,
+        optimizer=optimizer,
+        loss_chunk_tokens=loss_chunk,
+    )
+    fitting = sorted(
+        (c for c in cands if c.perf), key=lambda c: (-c.tokens_per_sec, c.float8, c.memory["max_total_bytes"])
+    )
     callbacks = list((cfg.get("callbacks") or {}).keys())
     if not fitting:
         raise ConfigError(no_fit_message(cfg, cands, cluster, world))
     result: dict[str, Any] = {
-        "model": str(cfg.model.name), "world_size": world, "candidates": len(cands), "fitting": len(fitting),
-        "efficiencies": eff.as_dict(), "hbm_gib": cluster["hbm_gib"], "reserve_gib": HBM_RESERVE_GIB,
-        "search_seconds": round(time.perf_counter() - t0, 2)}
+        "model": str(cfg.model.name),
+        "world_size": world,
+        "candidates": len(cands),
+        "fitting": len(fitting),
+        "efficiencies": eff.as_dict(),
+        "hbm_gib": cluster["hbm_gib"],
+        "reserve_gib": HBM_RESERVE_GIB,
+        "search_seconds": round(time.perf_counter() - t0, 2),
+    }
     confirmed = _confirm(fitting, overrides, callbacks, eff, confirm)
     ranked = [c for c in fitting if c.confirmed is None or c.confirmed["fits"]]
     result["top"] = [row(c, callbacks) for c in ranked[:top]]
@@ -229,26 +298,43 @@ def _confirm(fitting: list[Candidate], overrides: list[str], callbacks: list[str
             plan = make_plan_from_cfg(compose(ov), overrides=ov, eff=eff)
         except ConfigError as err:
             plan = {"fits": False, "reasons": [str(err)], "per_rank": {}, "perf": {}}
-        c.confirmed = {"layout": c.describe(), "fits": bool(plan["fits"]), "reasons": plan["reasons"],
-                       "param_bytes_built": plan["per_rank"].get("param_bytes"),
-                       "param_bytes_analytic": c.memory["param_bytes"],
-                       "max_total_bytes_built": plan.get("max_total_bytes"),
-                       "tokens_per_sec_built": (plan.get("perf") or {}).get("tokens_per_sec_per_device")}
+        c.confirmed = {
+            "layout": c.describe(),
+            "fits": bool(plan["fits"]),
+            "reasons": plan["reasons"],
+            "param_bytes_built": plan["per_rank"].get("param_bytes"),
+            "param_bytes_analytic": c.memory["param_bytes"],
+            "max_total_bytes_built": plan.get("max_total_bytes"),
+            "tokens_per_sec_built": (plan.get("perf") or {}).get("tokens_per_sec_per_device"),
+        }
         out.append(c.confirmed)
     return out
 
 
 def row(c: Candidate, callbacks: list[str]) -> dict[str, Any]:
     m, p = c.memory, c.perf
-    return {"layout": c.describe(), "mesh": c.dims.as_dict(), "schedule": c.schedule,
-            "micro_batch": c.micro_batch, "accumulation": c.accumulation, "pp_microbatches": c.pp_microbatches,
-            "ac_mode": c.ac_mode, "float8": c.float8, "grad_reduce_scatter": c.grad_reduce_scatter,
-            "states_gib": (m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]) / GIB,
-            "activations_gib": m["activation_bytes"] / GIB, "buffers_gib": m["fsdp_buffer_bytes"] / GIB,
-            "max_total_gib": m["max_total_bytes"] / GIB, "step_s": p["step_s"],
-            "tokens_per_sec_per_device": p["tokens_per_sec_per_device"], "mfu": p["mfu_bound"],
-            "bubble": p["pp_bubble_fraction"], "terms": {k: p[k] for k, _ in TERMS},
-            "overrides": c.overrides(callbacks), "confirmed": c.confirmed}
+    return {
+        "layout": c.describe(),
+        "mesh": c.dims.as_dict(),
+        "schedule": c.schedule,
+        "micro_batch": c.micro_batch,
+        "accumulation": c.accumulation,
+        "pp_microbatches": c.pp_microbatches,
+        "ac_mode": c.ac_mode,
+        "float8": c.float8,
+        "grad_reduce_scatter": c.grad_reduce_scatter,
+        "states_gib": (m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]) / GIB,
+        "activations_gib": m["activation_bytes"] / GIB,
+        "buffers_gib": m["fsdp_buffer_bytes"] / GIB,
+        "max_total_gib": m["max_total_bytes"] / GIB,
+        "step_s": p["step_s"],
+        "tokens_per_sec_per_device": p["tokens_per_sec_per_device"],
+        "mfu": p["mfu_bound"],
+        "bubble": p["pp_bubble_fraction"],
+        "terms": {k: p[k] for k, _ in TERMS},
+        "overrides": c.overrides(callbacks),
+        "confirmed": c.confirmed,
+    }
 
 
 def why_lost(winner: Candidate, runner: Candidate) -> str:
@@ -256,43 +342,56 @@ def why_lost(winner: Candidate, runner: Candidate) -> str:
     w, r = winner.perf, runner.perf
     key, words = max(TERMS, key=lambda t: r[t[0]] - w[t[0]])
     slower = 1 - runner.tokens_per_sec / winner.tokens_per_sec
-    return (f"runner-up {runner.describe()} predicts {slower:.1%} fewer tokens/s per GPU: mostly its {words} "
-            f"({r[key]:.3g} s vs {w[key]:.3g} s per step; step {r['step_s']:.3g} s vs {w['step_s']:.3g} s)")
+    return (
+        f"runner-up {runner.describe()} predicts {slower:.1%} fewer tokens/s per GPU: mostly its {words} "
+        f"({r[key]:.3g} s vs {w[key]:.3g} s per step; step {r['step_s']:.3g} s vs {w['step_s']:.3g} s)"
+    )
 
 
 def no_fit_message(cfg: DictConfig, cands: list[Candidate], cluster: dict[str, Any], world: int) -> str:
     capacity = _capacity(cluster)
     if not cands:
-        return (f"plan search: no layout of {cfg.model.name} divides {world} devices with data.seq_len="
-                f"{cfg.data.seq_len} and data.global_batch_size={cfg.data.global_batch_size}; make the global "
-                f"batch a multiple of a data-parallel degree (e.g. {world}) or change cluster.devices/num_nodes")
+        return (
+            f"plan search: no layout of {cfg.model.name} divides {world} devices with data.seq_len="
+            f"{cfg.data.seq_len} and data.global_batch_size={cfg.data.global_batch_size}; make the global "
+            f"batch a multiple of a data-parallel degree (e.g. {world}) or change cluster.devices/num_nodes"
+        )
     best = min(cands, key=lambda c: c.memory["max_total_bytes"])
     need = best.memory["max_total_bytes"]
     factor = need / capacity
-    return (f"plan search: no layout of {cfg.model.name} fits {world} x {cluster['hbm_gib']:g} GiB "
-            f"(- {HBM_RESERVE_GIB:g} GiB reserve); closest is {best.describe()} needing {need / GIB:.1f} GiB per "
-            f"device ({factor:.1f}x); use about {factor:.1f}x the devices (cluster.num_nodes / cluster.devices) or "
-            f"HBM, or lower data.seq_len / data.global_batch_size")
+    return (
+        f"plan search: no layout of {cfg.model.name} fits {world} x {cluster['hbm_gib']:g} GiB "
+        f"(- {HBM_RESERVE_GIB:g} GiB reserve); closest is {best.describe()} needing {need / GIB:.1f} GiB per "
+        f"device ({factor:.1f}x); use about {factor:.1f}x the devices (cluster.num_nodes / cluster.devices) or "
+        f"HBM, or lower data.seq_len / data.global_batch_size"
+    )
 
 
 def render_search(result: dict[str, Any]) -> str:
-    lines = [f"search: {result['model']} on {result['world_size']} devices: {result['candidates']} layouts, "
-             f"{result['fitting']} fit {result['hbm_gib']:g} GiB - {result['reserve_gib']:g} GiB reserve "
-             f"({result['seconds']:.1f} s; efficiencies: {result['efficiencies']['source']})",
-             f"{'#':>2} {'layout':<58} {'states':>7} {'acts':>7} {'bufs':>6} {'max':>7} {'step s':>8} "
-             f"{'tok/s/dev':>10} {'MFU':>6} {'bubble':>6}"]
+    lines = [
+        f"search: {result['model']} on {result['world_size']} devices: {result['candidates']} layouts, "
+        f"{result['fitting']} fit {result['hbm_gib']:g} GiB - {result['reserve_gib']:g} GiB reserve "
+        f"({result['seconds']:.1f} s; efficiencies: {result['efficiencies']['source']})",
+        f"{'#':>2} {'layout':<58} {'states':>7} {'acts':>7} {'bufs':>6} {'max':>7} {'step s':>8} "
+        f"{'tok/s/dev':>10} {'MFU':>6} {'bubble':>6}",
+    ]
     for i, r in enumerate(result["top"], 1):
         mark = " *" if r["confirmed"] and r["confirmed"]["fits"] else ""
-        lines.append(f"{i:>2} {r['layout']:<58} {r['states_gib']:7.1f} {r['activations_gib']:7.1f} "
-                     f"{r['buffers_gib']:6.1f} {r['max_total_gib']:7.1f} {r['step_s']:8.3g} "
-                     f"{r['tokens_per_sec_per_device']:10.1f} {r['mfu']:6.1%} {r['bubble']:6.1%}{mark}")
-    lines.append("memory in GiB per device (states: params + grads + AdamW; max: the most loaded pp rank); "
-                 "* confirmed by building it (TitanStrategy.parallelize on a meta model, fake process group)")
+        lines.append(
+            f"{i:>2} {r['layout']:<58} {r['states_gib']:7.1f} {r['activations_gib']:7.1f} "
+            f"{r['buffers_gib']:6.1f} {r['max_total_gib']:7.1f} {r['step_s']:8.3g} "
+            f"{r['tokens_per_sec_per_device']:10.1f} {r['mfu']:6.1%} {r['bubble']:6.1%}{mark}"
+        )
+    lines.append(
+        "memory in GiB per device (states: params + grads + AdamW; max: the most loaded pp rank); "
+        "* confirmed by building it (TitanStrategy.parallelize on a meta model, fake process group)"
+    )
     for c in result["confirmed"]:
         built, ana = c["param_bytes_built"], c["param_bytes_analytic"]
         agree = f"params {built / GIB:.2f} GiB built vs {ana / GIB:.2f} analytic" if built else "not built"
-        lines.append(f"  confirm {c['layout']}: fits={c['fits']} ({agree})"
-                     + "".join(f"\n    - {r}" for r in c["reasons"]))
+        lines.append(
+            f"  confirm {c['layout']}: fits={c['fits']} ({agree})" + "".join(f"\n    - {r}" for r in c["reasons"])
+        )
     lines.append(result["runner_up_lost"])
     lines.append("winner: " + result["command"])
     return "\n".join(lines)

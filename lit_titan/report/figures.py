@@ -81,8 +81,13 @@ def build_figures(runs: list[Run]) -> list[Figure]:
 def _timeline_figures(run: Run) -> list[Figure]:
     ranks = sorted(run.timeline)
     steps = sorted({int(r["step"]) for rows in run.timeline.values() for r in rows})
-    heat = Figure("step_time_heatmap", "Step wall time per rank (a straggler is a bright row)", "optimizer step",
-                  "rank", kind="heatmap")
+    heat = Figure(
+        "step_time_heatmap",
+        "Step wall time per rank (a straggler is a bright row)",
+        "optimizer step",
+        "rank",
+        kind="heatmap",
+    )
     by = {rank: {int(r["step"]): r.get("wall_s") for r in rows} for rank, rows in run.timeline.items()}
     heat.series = {"x": steps, "y": ranks, "z": [[by[rank].get(s) for s in steps] for rank in ranks]}
     phases = Figure("phases", "Where a step's time goes (mean per step)", "rank", "seconds", kind="bars")
@@ -94,8 +99,7 @@ def _timeline_figures(run: Run) -> list[Figure]:
     _per_rank(data, run, lambda r: r["data_s"] / r["wall_s"] if "data_s" in r and r.get("wall_s") else None)
     memory = Figure("memory", "Peak memory per rank", "optimizer step", "MiB (CUDA allocated, or CPU peak RSS)")
     _per_rank(memory, run, lambda r: r.get("peak_mem_mib"))
-    ckpt = Figure("checkpoint", "Training blocked by checkpoint saves", "optimizer step (after the save)",
-                  "seconds")
+    ckpt = Figure("checkpoint", "Training blocked by checkpoint saves", "optimizer step (after the save)", "seconds")
     _per_rank(ckpt, run, lambda r: r["checkpoint_s"] if r.get("checkpoint_s", 0) > 0 else None)
     return [heat, phases, data, memory, ckpt]
 
@@ -113,8 +117,13 @@ def render(fig: Figure) -> str:
         if fig.kind == "heatmap":
             z = [[float("nan") if v is None else v for v in row] for row in fig.series["z"]]
             x, y = fig.series["x"], fig.series["y"]
-            image = ax.imshow(z, aspect="auto", interpolation="nearest", cmap="viridis",
-                              extent=(x[0] - 0.5, x[-1] + 0.5, len(y) - 0.5, -0.5))
+            image = ax.imshow(
+                z,
+                aspect="auto",
+                interpolation="nearest",
+                cmap="viridis",
+                extent=(x[0] - 0.5, x[-1] + 0.5, len(y) - 0.5, -0.5),
+            )
             image.set_gid("series:wall_s")
             ax.set_yticks(range(len(y)), [str(r) for r in y])
             f.colorbar(image, ax=ax, label="s")
@@ -140,4 +149,4 @@ def render(fig: Figure) -> str:
     finally:
         plt.close(f)
     svg = buf.getvalue()
-    return svg[svg.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline in HTML
+    return svg[svg.index("<svg") :]  # drop the XML prolog and DOCTYPE: inline in HTML

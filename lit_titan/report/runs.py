@@ -48,16 +48,20 @@ def find_runs(path: Path) -> list[Path]:
     """``[path]`` for a run directory, its runs for a sweep directory; one-line error otherwise."""
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise ConfigError(f"lit-titan report: {path} is not a directory; pass a run directory (the run_dir= of "
-                          f"a training job, holding config.yaml and metrics.csv) or a sweep directory")
+        raise ConfigError(
+            f"lit-titan report: {path} is not a directory; pass a run directory (the run_dir= of "
+            f"a training job, holding config.yaml and metrics.csv) or a sweep directory"
+        )
     if is_run(path):
         return [path]
     # a sweep's runs are its sub-directories (Hydra: <sweep>/<n>/), or one level further down
     found = [*path.glob("*/config.yaml"), *path.glob("*/*/config.yaml")]
     runs = sorted((p for p in found if is_run(p.parent)), key=_natural)
     if not runs:
-        raise ConfigError(f"lit-titan report: {path} is not a run directory (no config.yaml with metrics.csv or "
-                          f"timeline/) and holds none; pass the run_dir= of a training job or a sweep directory")
+        raise ConfigError(
+            f"lit-titan report: {path} is not a run directory (no config.yaml with metrics.csv or "
+            f"timeline/) and holds none; pass the run_dir= of a training job or a sweep directory"
+        )
     return [p.parent for p in runs]
 
 
@@ -95,8 +99,9 @@ def load_run(path: Path) -> Run:
     if (run.path / "config.yaml").is_file():
         run.config = _redacted_config(run.path / "config.yaml")
     run.traces = sorted((run.path / "profile").glob("step-*/rank-*.json.gz"))
-    run.memory_snapshots = sorted(run.path.glob("profile/step-*/rank-*.memory.pickle")) + \
-        sorted(run.path.glob("memory/oom-rank-*.pickle"))
+    run.memory_snapshots = sorted(run.path.glob("profile/step-*/rank-*.memory.pickle")) + sorted(
+        run.path.glob("memory/oom-rank-*.pickle")
+    )
     run.checkpoints = sorted(p.name for p in (run.path / "checkpoints").glob("step-*") if p.is_dir())
     run.hang_files = sorted((run.path / "hang").glob("*")) if (run.path / "hang").is_dir() else []
     run.preflight = _json(run.path / "preflight.json")

@@ -9,8 +9,13 @@ from typing import Any
 from lit_titan.strategies.parallel_dims import MESH_DIMS, LayoutError, ParallelDims
 from lit_titan.strategies.settings import ParallelConfig
 
-_LAZY = {"ParallelPlan": "plan", "plan_for": "plan", "register_plan": "plan", "TRANSFORM_SLOTS": "strategy",
-         "TitanStrategy": "strategy"}
+_LAZY = {
+    "ParallelPlan": "plan",
+    "plan_for": "plan",
+    "register_plan": "plan",
+    "TRANSFORM_SLOTS": "strategy",
+    "TitanStrategy": "strategy",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -21,5 +26,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'lit_titan.strategies' has no attribute {name!r}")
 
 
-__all__ = ["MESH_DIMS", "TRANSFORM_SLOTS", "LayoutError", "ParallelConfig", "ParallelDims", "ParallelPlan",
-           "TitanStrategy", "plan_for", "register_plan"]
+__all__ = [
+    "MESH_DIMS",
+    "TRANSFORM_SLOTS",
+    "LayoutError",
+    "ParallelConfig",
+    "ParallelDims",
+    "ParallelPlan",
+    "TitanStrategy",
+    "plan_for",
+    "register_plan",
+]

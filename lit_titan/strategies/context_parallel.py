@@ -30,8 +30,9 @@ from torch import Tensor, nn
 def _balanced_positions_cpu(seq_len: int, cp: int, rank: int) -> Tensor:
     chunk = seq_len // (2 * cp)
     first, second = rank, 2 * cp - 1 - rank
-    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
-                      torch.arange(second * chunk, (second + 1) * chunk)])
+    return torch.cat(
+        [torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)]
+    )
 
 
 def balanced_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
@@ -148,16 +149,31 @@ class AllGatherKVAttention(nn.Module):
             end = (block + 1) * chunk
             if self.window is not None:
                 start = max(0, block * chunk - (self.window - 1))
-                outs.append(F.scaled_dot_product_attention(
-                    q_chunk, k[:, :, start:end], v[:, :, start:end],
-                    attn_mask=self._window_mask(chunk, block, start, end, q_chunk), enable_gqa=gqa))
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q_chunk,
+                        k[:, :, start:end],
+                        v[:, :, start:end],
+                        attn_mask=self._window_mask(chunk, block, start, end, q_chunk),
+                        enable_gqa=gqa,
+                    )
+                )
             elif end == chunk:  # the first block: an ordinary causal square
-                outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end], is_causal=True,
-                                                           enable_gqa=gqa))
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q_chunk, k[:, :, :end], v[:, :, :end], is_causal=True, enable_gqa=gqa
+                    )
+                )
             else:
-                outs.append(F.scaled_dot_product_attention(q_chunk, k[:, :, :end], v[:, :, :end],
-                                                           attn_mask=self._prefix_mask(chunk, end, q_chunk),
-                                                           enable_gqa=gqa))
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q_chunk,
+                        k[:, :, :end],
+                        v[:, :, :end],
+                        attn_mask=self._prefix_mask(chunk, end, q_chunk),
+                        enable_gqa=gqa,
+                    )
+                )
         return torch.cat(outs, dim=2)
 
 

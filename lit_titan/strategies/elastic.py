@@ -40,9 +40,16 @@ def init_process_group(backend: str, timeout: timedelta, device_id=None) -> int:
     # With the agent's shared store every worker is a client; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     # rank 0 hosts a new store per attempt at MASTER_PORT (then the count is always 1: nothing stale).
     hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=hosts,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=hosts, timeout=timeout
+    )
     attempt = store.add(START_KEY.format(rank=rank), 1) - 1
-    dist.init_process_group(backend, store=dist.PrefixStore(NAMESPACE.format(attempt=attempt), store), rank=rank,
-                            world_size=world_size, timeout=timeout, device_id=device_id)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(NAMESPACE.format(attempt=attempt), store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
     return attempt

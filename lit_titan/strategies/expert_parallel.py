@@ -35,7 +35,7 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
         local = num // ep
         for name in ("w1", "w2", "w3"):
             full = getattr(moe.experts, name)
-            setattr(moe.experts, name, nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone()))
+            setattr(moe.experts, name, nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone()))
         moe.ep_group = group
         moe.run_experts = _dispatch_combine.__get__(moe)
 
@@ -69,8 +69,9 @@ def reduce_gradients(model: nn.Module, dp_group: dist.ProcessGroup, edp_group: d
     its divide factor set to the dp x cp size once the strategy wires EP in.
     """
     dp = dist.get_world_size(dp_group)
-    experts = {id(p) for m in model.modules() if isinstance(m, MoE) and hasattr(m, "ep_group")
-               for p in m.experts.parameters()}
+    experts = {
+        id(p) for m in model.modules() if isinstance(m, MoE) and hasattr(m, "ep_group") for p in m.experts.parameters()
+    }
     for p in model.parameters():
         if p.grad is None:
             continue

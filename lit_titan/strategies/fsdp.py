@@ -15,9 +15,11 @@ from torch import nn
 
 # torch's pipeline stage turns FSDP's gradient sync off for its own micro-batches and reduces at the
 # end of every schedule step (PipelineStage.perform_reduce_grad), overriding block_backward_sync.
-PP_LAST_MICROBATCH = ("parallel.grad_reduce_scatter=last_microbatch cannot apply under parallel.pp > 1: torch's "
-                      "pipeline schedule reduces the gradients at the end of every schedule step; use "
-                      "parallel.grad_reduce_scatter=every_microbatch")
+PP_LAST_MICROBATCH = (
+    "parallel.grad_reduce_scatter=last_microbatch cannot apply under parallel.pp > 1: torch's "
+    "pipeline schedule reduces the gradients at the end of every schedule step; use "
+    "parallel.grad_reduce_scatter=every_microbatch"
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,9 @@ def mixed_precision_for(precision: str) -> tuple[torch.dtype | None, torch.dtype
     raise ValueError(f"precision={precision!r} is not supported by TitanStrategy; use 32-true, bf16-mixed or bf16-true")
 
 
-def apply_fsdp(units: list[nn.Module | list[nn.Module]], root: nn.Module, mesh, precision: str,
-               cfg: FSDPConfig) -> None:
+def apply_fsdp(
+    units: list[nn.Module | list[nn.Module]], root: nn.Module, mesh, precision: str, cfg: FSDPConfig
+) -> None:
     """Shard each unit (a module or a list of modules sharing one all-gather), then the root.
 
     The last unit is kept unsharded after forward: backward needs it at once.
@@ -55,16 +58,18 @@ def apply_fsdp(units: list[nn.Module | list[nn.Module]], root: nn.Module, mesh, 
     param_dtype, reduce_dtype = mixed_precision_for(precision)
 
     def policy(cast_forward_inputs: bool) -> MixedPrecisionPolicy:
-        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                    cast_forward_inputs=cast_forward_inputs)
+        return MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs
+        )
 
     kwargs = {"mesh": mesh}
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for i, unit in enumerate(units):
         last = i == len(units) - 1
-        fully_shard(unit, reshard_after_forward=cfg.reshard_after_forward and not last, mp_policy=policy(False),
-                    **kwargs)
+        fully_shard(
+            unit, reshard_after_forward=cfg.reshard_after_forward and not last, mp_policy=policy(False), **kwargs
+        )
     fully_shard(root, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy(True), **kwargs)
 
 

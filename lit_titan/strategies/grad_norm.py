@@ -10,8 +10,9 @@ from torch import Tensor
 
 
 @torch.no_grad()
-def total_grad_norm(params: Iterable[Tensor], pp_group: dist.ProcessGroup | None = None,
-                    norm_type: float = 2.0) -> Tensor:
+def total_grad_norm(
+    params: Iterable[Tensor], pp_group: dist.ProcessGroup | None = None, norm_type: float = 2.0
+) -> Tensor:
     """The L2 norm of all gradients of the whole model, identical on every rank.
 
     Sharded (DTensor) gradients reduce over their own mesh through ``full_tensor``; pipeline
@@ -28,7 +29,7 @@ def total_grad_norm(params: Iterable[Tensor], pp_group: dist.ProcessGroup | None
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        norm = norm ** norm_type
+        norm = norm**norm_type
         dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
         norm = norm ** (1.0 / norm_type)
     return norm

@@ -32,8 +32,9 @@ class ParallelDims:
     world_size: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1,
-                tp: int = 1) -> ParallelDims:
+    def resolve(
+        cls, world_size: int, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1
+    ) -> ParallelDims:
         """Fill ``dp_shard=-1`` with the ranks left over and check the degrees multiply to the world."""
         for name, value in (("pp", pp), ("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp)):
             if value < 1:
@@ -86,23 +87,30 @@ class ParallelDims:
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     # ---- validation against the model and data --------------------------------------------------
-    def validate(self, *, n_heads: int | None = None, n_kv_heads: int | None = None,
-                 seq_len: int | None = None) -> None:
+    def validate(
+        self, *, n_heads: int | None = None, n_kv_heads: int | None = None, seq_len: int | None = None
+    ) -> None:
         """The degrees against the model's heads and the sequence length (the batch split: ``BatchLayout``)."""
         if n_heads is not None and n_heads % self.tp:
-            raise LayoutError(f"parallel.tp={self.tp}: does not divide the model's n_heads={n_heads}; use "
-                              f"parallel.tp in {_divisors(n_heads)}")
+            raise LayoutError(
+                f"parallel.tp={self.tp}: does not divide the model's n_heads={n_heads}; use "
+                f"parallel.tp in {_divisors(n_heads)}"
+            )
         if n_kv_heads is not None and n_kv_heads % self.tp:
-            raise LayoutError(f"parallel.tp={self.tp}: does not divide the model's n_kv_heads={n_kv_heads}; use "
-                              f"parallel.tp in {_divisors(n_kv_heads)}")
+            raise LayoutError(
+                f"parallel.tp={self.tp}: does not divide the model's n_kv_heads={n_kv_heads}; use "
+                f"parallel.tp in {_divisors(n_kv_heads)}"
+            )
         if seq_len is not None:
             # cp>1 splits each sequence into 2*cp chunks (causal load balance); tp>1 shards it by tp
             # between blocks (sequence parallel).
             unit = self.tp * (2 * self.cp if self.cp > 1 else 1)
             if seq_len % unit:
-                raise LayoutError(f"data.seq_len={seq_len}: not divisible by "
-                                  f"{'2*cp*tp' if self.cp > 1 else 'tp'}={unit}; use a multiple of {unit}, e.g. "
-                                  f"data.seq_len={max(unit, seq_len // unit * unit)}")
+                raise LayoutError(
+                    f"data.seq_len={seq_len}: not divisible by "
+                    f"{'2*cp*tp' if self.cp > 1 else 'tp'}={unit}; use a multiple of {unit}, e.g. "
+                    f"data.seq_len={max(unit, seq_len // unit * unit)}"
+                )
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
         """The 5-D mesh and its flattened views {dp, dp_shard_cp, dp_cp}; needs the process group.

@@ -40,27 +40,39 @@ class PipelineConfig:
             raise LayoutError(f"unknown parallel.pp_schedule={self.schedule!r}; choose one of {PP_SCHEDULES}")
         per_rank = self.per_rank
         if self.schedule in SINGLE_STAGE and per_rank != 1:
-            raise LayoutError(f"parallel.pp_schedule={self.schedule} runs one stage per rank; set "
-                             f"parallel.pp_stages_per_rank=1 or pick Interleaved1F1B/LoopedBFS")
+            raise LayoutError(
+                f"parallel.pp_schedule={self.schedule} runs one stage per rank; set "
+                f"parallel.pp_stages_per_rank=1 or pick Interleaved1F1B/LoopedBFS"
+            )
         if self.schedule in V_SHAPED and per_rank != 2:
-            raise LayoutError(f"parallel.pp_schedule={self.schedule} needs exactly 2 stages per rank (V shape); "
-                             f"set parallel.pp_stages_per_rank=2")
+            raise LayoutError(
+                f"parallel.pp_schedule={self.schedule} needs exactly 2 stages per rank (V shape); "
+                f"set parallel.pp_stages_per_rank=2"
+            )
         if self.schedule in LOOPED and per_rank < 2:
-            raise LayoutError(f"parallel.pp_schedule={self.schedule} needs >= 2 stages per rank; set "
-                              f"parallel.pp_stages_per_rank=2 or use 1F1B/GPipe")
+            raise LayoutError(
+                f"parallel.pp_schedule={self.schedule} needs >= 2 stages per rank; set "
+                f"parallel.pp_stages_per_rank=2 or use 1F1B/GPipe"
+            )
         if pp is not None and n_units is not None and n_units < pp * per_rank:
-            raise LayoutError(f"parallel.pp={pp}: {n_units} pipeline units (embedding, blocks, head) cannot fill pp "
-                              f"x stages per rank = {pp * per_rank} stages; lower parallel.pp or "
-                              f"parallel.pp_stages_per_rank")
+            raise LayoutError(
+                f"parallel.pp={pp}: {n_units} pipeline units (embedding, blocks, head) cannot fill pp "
+                f"x stages per rank = {pp * per_rank} stages; lower parallel.pp or "
+                f"parallel.pp_stages_per_rank"
+            )
         microbatches = self.microbatches_for(pp) if pp else None
         if pp and self.schedule == "DualPipeV" and microbatches < pp * per_rank:
-            raise LayoutError(f"parallel.pp_microbatches={microbatches}: DualPipeV needs at least as many micro-batches "
-                              f"as stages ({pp * per_rank}); raise parallel.pp_microbatches (the per-rank batch must "
-                              f"split into them)")
+            raise LayoutError(
+                f"parallel.pp_microbatches={microbatches}: DualPipeV needs at least as many micro-batches "
+                f"as stages ({pp * per_rank}); raise parallel.pp_microbatches (the per-rank batch must "
+                f"split into them)"
+            )
         if local_batch is not None and microbatches and local_batch % microbatches:
-            raise LayoutError(f"parallel.pp_microbatches={microbatches}: the per-rank batch of {local_batch} "
-                              f"sequences does not split into {microbatches} micro-batches; change data.micro_batch_size, "
-                              f"data.global_batch_size or parallel.pp_microbatches")
+            raise LayoutError(
+                f"parallel.pp_microbatches={microbatches}: the per-rank batch of {local_batch} "
+                f"sequences does not split into {microbatches} micro-batches; change data.micro_batch_size, "
+                f"data.global_batch_size or parallel.pp_microbatches"
+            )
 
     def microbatches_for(self, pp: int) -> int:
         """Pipeline micro-batches per step: as configured, else one per stage (pp x stages per rank)."""
@@ -80,8 +92,9 @@ def stage_ids(pp_rank: int, pp: int, cfg: PipelineConfig) -> list[int]:
     return [pp_rank + k * pp for k in range(cfg.per_rank)]
 
 
-def split_units(units: list[list[str]], num_stages: int,
-                explicit: tuple[tuple[str, ...], ...] | None = None) -> list[list[str]]:
+def split_units(
+    units: list[list[str]], num_stages: int, explicit: tuple[tuple[str, ...], ...] | None = None
+) -> list[list[str]]:
     """Module names per stage: contiguous, balanced by unit count, or checked ``explicit``."""
     flat = [name for unit in units for name in unit]
     if explicit is not None:
@@ -92,13 +105,15 @@ def split_units(units: list[list[str]], num_stages: int,
             raise LayoutError(f"parallel.pp_stages must list every module once, in order: {flat}")
         return stages
     if len(units) < num_stages:
-        raise LayoutError(f"{len(units)} pipeline units (embedding, {len(units) - 2} blocks, head) cannot fill "
-                         f"{num_stages} stages; lower parallel.pp or parallel.pp_stages_per_rank")
+        raise LayoutError(
+            f"{len(units)} pipeline units (embedding, {len(units) - 2} blocks, head) cannot fill "
+            f"{num_stages} stages; lower parallel.pp or parallel.pp_stages_per_rank"
+        )
     base, extra = divmod(len(units), num_stages)
     stages, start = [], 0
     for i in range(num_stages):
         size = base + (1 if i < extra else 0)
-        stages.append([name for unit in units[start:start + size] for name in unit])
+        stages.append([name for unit in units[start : start + size] for name in unit])
         start += size
     return stages
 
@@ -116,8 +131,9 @@ def prune(model: nn.Module, all_names: list[str], keep: set[str]) -> None:
             setattr(parent, child, None)
 
 
-def build_rank_model(model: nn.Module, units: list[list[str]], stage_names: list[list[str]]
-                     ) -> tuple[nn.Module, list[nn.Module]]:
+def build_rank_model(
+    model: nn.Module, units: list[list[str]], stage_names: list[list[str]]
+) -> tuple[nn.Module, list[nn.Module]]:
     """The rank model (union of this rank's stages) and one view per stage sharing its modules."""
     all_names = [n for unit in units for n in unit]
     rank_model = model
@@ -149,8 +165,15 @@ def share_root_buffers(rank_model: nn.Module, views: list[nn.Module]) -> None:
 class PipelineRunner:
     """Drives one torch pipeline schedule for the Lightning training and validation steps."""
 
-    def __init__(self, views: list[nn.Module], ids: list[int], num_stages: int, cfg: PipelineConfig,
-                 pp_group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(
+        self,
+        views: list[nn.Module],
+        ids: list[int],
+        num_stages: int,
+        cfg: PipelineConfig,
+        pp_group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -165,10 +188,15 @@ class PipelineRunner:
         single = issubclass(cls, PipelineScheduleSingle)
         # scale_grads=False: accumulation spans several schedule steps, so the scale goes into
         # the loss instead of being applied to the (accumulated) gradients after each step.
-        self.schedule = cls(self.stages[0] if single else self.stages, n_microbatches=self.microbatches,
-                            loss_fn=self._scaled_loss, scale_grads=False)
-        self._step_kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(
-            self.schedule.step).parameters else {}
+        self.schedule = cls(
+            self.stages[0] if single else self.stages,
+            n_microbatches=self.microbatches,
+            loss_fn=self._scaled_loss,
+            scale_grads=False,
+        )
+        self._step_kwargs = (
+            {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
+        )
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return self._loss_fn(output, target) * self._scale
@@ -189,13 +217,22 @@ class PipelineRunner:
 
     def check_batch(self, local_batch: int) -> None:
         if local_batch % self.microbatches:
-            raise LayoutError(f"the per-rank batch of {local_batch} sequences does not split into "
-                              f"parallel.pp_microbatches={self.microbatches}; change data.micro_batch_size or "
-                              f"parallel.pp_microbatches")
+            raise LayoutError(
+                f"the per-rank batch of {local_batch} sequences does not split into "
+                f"parallel.pp_microbatches={self.microbatches}; change data.micro_batch_size or "
+                f"parallel.pp_microbatches"
+            )
 
-    def train_step(self, inputs: Tensor, labels: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor],
-                   accumulation: int, sum_over_stages: bool = True, loss_in_model: bool = False,
-                   model_kwargs: dict[str, Tensor] | None = None) -> Tensor:
+    def train_step(
+        self,
+        inputs: Tensor,
+        labels: Tensor,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        accumulation: int,
+        sum_over_stages: bool = True,
+        loss_in_model: bool = False,
+        model_kwargs: dict[str, Tensor] | None = None,
+    ) -> Tensor:
         """Forward and backward of one (Lightning) micro-batch through the pipeline.
 
         ``sum_over_stages=False`` skips the loss all-reduce over the pp group (steps that do not log).
@@ -206,22 +243,35 @@ class PipelineRunner:
         same way: each stage's blocks need them for rotary embeddings and the attention mask.
         """
         self.check_batch(inputs.shape[0])
-        self._loss_fn, self._scale = (_identity_loss if loss_in_model else loss_fn), 1.0 / (self.microbatches * accumulation)
+        self._loss_fn, self._scale = (
+            (_identity_loss if loss_in_model else loss_fn),
+            1.0 / (self.microbatches * accumulation),
+        )
         losses: list[Tensor] = []
         kwargs = {**(model_kwargs or {}), **({"labels": labels} if loss_in_model else {})}
         self.schedule.step(inputs, target=labels, losses=losses, **kwargs, **self._step_kwargs)
         return self._mean_loss(losses, sum_over_stages)
 
     @torch.no_grad()
-    def eval_step(self, inputs: Tensor, labels: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor],
-                  loss_in_model: bool = False, model_kwargs: dict[str, Tensor] | None = None) -> Tensor:
+    def eval_step(
+        self,
+        inputs: Tensor,
+        labels: Tensor,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        loss_in_model: bool = False,
+        model_kwargs: dict[str, Tensor] | None = None,
+    ) -> Tensor:
         if self.schedule_name in V_SHAPED:
-            raise RuntimeError(f"validation under {self.schedule_name} fails in torch's schedule eval (\"can't "
-                               f"steal_bwd_input if this stage doesn't have backward\", torch 2.14); set "
-                               f"trainer.limit_val_batches=0 or use Interleaved1F1B")
+            raise RuntimeError(
+                f"validation under {self.schedule_name} fails in torch's schedule eval (\"can't "
+                f"steal_bwd_input if this stage doesn't have backward\", torch 2.14); set "
+                f"trainer.limit_val_batches=0 or use Interleaved1F1B"
+            )
         if not hasattr(self.schedule, "eval"):
-            raise RuntimeError(f"validation under pipeline parallelism needs torch >= 2.8 (found {torch.__version__});"
-                               f" set trainer.limit_val_batches=0")
+            raise RuntimeError(
+                f"validation under pipeline parallelism needs torch >= 2.8 (found {torch.__version__});"
+                f" set trainer.limit_val_batches=0"
+            )
         self.check_batch(inputs.shape[0])
         self._loss_fn, self._scale = (_identity_loss if loss_in_model else loss_fn), 1.0
         losses: list[Tensor] = []

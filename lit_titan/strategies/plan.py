@@ -43,5 +43,7 @@ def plan_for(model: nn.Module) -> ParallelPlan:
     for cls in type(model).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
-    raise TypeError(f"no ParallelPlan registered for {type(model).__name__}; pass TitanStrategy(plan=...) or call "
-                    f"lit_titan.strategies.plan.register_plan({type(model).__name__}, plan)")
+    raise TypeError(
+        f"no ParallelPlan registered for {type(model).__name__}; pass TitanStrategy(plan=...) or call "
+        f"lit_titan.strategies.plan.register_plan({type(model).__name__}, plan)"
+    )

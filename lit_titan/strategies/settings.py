@@ -7,7 +7,6 @@ Free of torch on purpose: the config schema imports it before anything heavy is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 from lit_titan.settings import setting
 
@@ -34,15 +33,20 @@ class ParallelConfig:
     cp: int = setting(1, ge=1)
     tp: int = setting(1, ge=1)
     pp_schedule: str = setting("1F1B", choices=PP_SCHEDULES)
-    pp_microbatches: Optional[int] = setting(None, ge=1)
+    pp_microbatches: int | None = setting(None, ge=1)
     reshard_after_forward: bool = setting(True)
     cpu_offload: bool = setting(False)
     grad_reduce_scatter: str = setting("every_microbatch", choices=GRAD_REDUCE_SCATTER)
     loss_parallel: bool = setting(True)
-    pp_stages_per_rank: Optional[int] = setting(None, ge=1)
-    pp_stages: Optional[List[List[str]]] = setting(None)
+    pp_stages_per_rank: int | None = setting(None, ge=1)
+    pp_stages: list[list[str]] | None = setting(None)
 
     @property
     def degrees(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
-                "tp": self.tp}
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }

@@ -42,7 +42,6 @@ from lit_titan.strategies.fsdp import (
     mixed_precision_for,
 )
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
-from lit_titan.strategies.settings import GRAD_REDUCE_SCATTER, ParallelConfig
 from lit_titan.strategies.pipeline import (
     PipelineConfig,
     PipelineRunner,
@@ -53,6 +52,7 @@ from lit_titan.strategies.pipeline import (
 )
 from lit_titan.strategies.plan import ParallelPlan, plan_for
 from lit_titan.strategies.precision import float32_matmul_precision
+from lit_titan.strategies.settings import GRAD_REDUCE_SCATTER, ParallelConfig
 from lit_titan.strategies.tensor_parallel import StyleRewrite, apply_tensor_parallel
 
 # Slots, in application order, where callbacks (Float8, activation checkpointing, compile) plug
@@ -85,13 +85,19 @@ class TitanStrategy(ModelParallelStrategy):
         """``parallel``: the degrees and parallel settings (the config's ``parallel`` group); any of its
         fields may also be given by name (``TitanStrategy(tp=2)``), overriding ``parallel``'s.
         ``dims``: degrees already resolved and checked (a ``JobSpec``'s), used as they are."""
-        super().__init__(data_parallel_size=1, tensor_parallel_size=1,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(
+            data_parallel_size=1,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         unknown = sorted(set(settings) - {f.name for f in fields(ParallelConfig)})
         if unknown:
-            raise TypeError(f"TitanStrategy got unknown argument(s) {unknown}; the parallel settings are "
-                            f"{[f.name for f in fields(ParallelConfig)]}")
+            raise TypeError(
+                f"TitanStrategy got unknown argument(s) {unknown}; the parallel settings are "
+                f"{[f.name for f in fields(ParallelConfig)]}"
+            )
         p = replace(parallel or ParallelConfig(), **settings)
         self.parallel = p
         self._degrees = p.degrees
@@ -107,7 +113,9 @@ class TitanStrategy(ModelParallelStrategy):
         self.tf32 = tf32
         self._saved_matmul_precision: str | None = None  # restored at teardown (in-process fits)
         self.pipeline_config = PipelineConfig(
-            schedule=p.pp_schedule, microbatches=p.pp_microbatches, stages_per_rank=p.pp_stages_per_rank,
+            schedule=p.pp_schedule,
+            microbatches=p.pp_microbatches,
+            stages_per_rank=p.pp_stages_per_rank,
             stages=tuple(tuple(s) for s in p.pp_stages) if p.pp_stages else None,
         )
         if p.pp > 1:
@@ -138,9 +146,11 @@ class TitanStrategy(ModelParallelStrategy):
         """
         if self._resolved_dims is not None:
             if self._resolved_dims.world_size != self.world_size:
-                raise LayoutError(f"the resolved degrees {self._resolved_dims.as_dict()} are for "
-                                  f"{self._resolved_dims.world_size} processes, this job has {self.world_size}; "
-                                  f"check cluster.devices x cluster.num_nodes")
+                raise LayoutError(
+                    f"the resolved degrees {self._resolved_dims.as_dict()} are for "
+                    f"{self._resolved_dims.world_size} processes, this job has {self.world_size}; "
+                    f"check cluster.devices x cluster.num_nodes"
+                )
             return self._resolved_dims
         dims = ParallelDims.resolve(self.world_size, **self._degrees)
         module = self.lightning_module
@@ -239,8 +249,10 @@ class TitanStrategy(ModelParallelStrategy):
             # torchrun (one node or several): rendezvous in a store namespace that every node agrees
             # is this attempt's (strategies/elastic.py says why torch's env:// is not enough).
             self.restart_attempt = init_elastic_process_group(
-                self._get_process_group_backend(), self._timeout or default_pg_timeout,
-                device_id=self.root_device if self.root_device.type != "cpu" else None)
+                self._get_process_group_backend(),
+                self._timeout or default_pg_timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,
+            )
         super()._setup_distributed()  # Lightning's: ranks, seeds; skips the init when already done
 
     def init_layout(self, dims: ParallelDims, device_type: str) -> None:
@@ -262,8 +274,10 @@ class TitanStrategy(ModelParallelStrategy):
         module = self.lightning_module
         model = getattr(module, "model", None)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{type(self).__name__} parallelises `LightningModule.model`; build it in configure_model()"
-                            f" (see lit_titan.PretrainModule)")
+            raise TypeError(
+                f"{type(self).__name__} parallelises `LightningModule.model`; build it in configure_model()"
+                f" (see lit_titan.PretrainModule)"
+            )
         precision = self.precision_plugin.precision
         mixed_precision_for(precision)  # refuse unsupported flags before any work
         model, self._views = self.parallelize(model, precision)
@@ -273,8 +287,14 @@ class TitanStrategy(ModelParallelStrategy):
             module.load_initial_weights()  # e.g. model.init_from_hf, into the sharded parameters
         if self.parallel_dims.pp > 1:
             share_root_buffers(model, self._views)
-            self.pipeline = PipelineRunner(self._views, self.stage_ids, self.num_stages, self.pipeline_config,
-                                           self.device_mesh["pp"].get_group(), self.root_device)
+            self.pipeline = PipelineRunner(
+                self._views,
+                self.stage_ids,
+                self.num_stages,
+                self.pipeline_config,
+                self.device_mesh["pp"].get_group(),
+                self.root_device,
+            )
         if self.fsdp_applied and precision == "bf16-mixed":
             # FSDP's MixedPrecisionPolicy already computes in bf16 with fp32 master weights and
             # reductions; Lightning's autocast on top would only add casts.
@@ -309,23 +329,28 @@ class TitanStrategy(ModelParallelStrategy):
                 apply_tensor_parallel(view, mesh["tp"], plan, self.loss_parallel, self._tp_style_rewrites)
             if self.context_parallel is not None:
                 if plan.attention_cores is None:
-                    raise TypeError(f"the ParallelPlan of {type(view).__name__} defines no attention_cores; "
-                                    f"context parallelism (parallel.cp > 1) needs them")
+                    raise TypeError(
+                        f"the ParallelPlan of {type(view).__name__} defines no attention_cores; "
+                        f"context parallelism (parallel.cp > 1) needs them"
+                    )
                 self.context_parallel.apply(view, plan.attention_cores(view))
             self._run_transforms("activation_checkpointing", view, plan)
             self._run_transforms("compile", view, plan)
             if dims.dp_replicate * dims.fsdp_size > 1 or param_dtype is not None:
                 # HSDP needs the 2-D (replicate, shard) mesh, only reachable by slicing the root mesh.
-                fsdp_mesh = (mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1
-                             else self.mesh_views["dp_shard_cp"])
+                fsdp_mesh = (
+                    mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else self.mesh_views["dp_shard_cp"]
+                )
                 apply_fsdp(plan.fsdp_units(view), view, fsdp_mesh, precision, fsdp_config)
                 self.fsdp_applied = True
         return model, views
 
     def _split_pipeline(self, model: nn.Module, plan: ParallelPlan) -> tuple[nn.Module, list[nn.Module]]:
         if plan.pipeline_units is None:
-            raise TypeError(f"the ParallelPlan of {type(model).__name__} defines no pipeline_units; "
-                            f"pipeline parallelism (parallel.pp > 1) needs them")
+            raise TypeError(
+                f"the ParallelPlan of {type(model).__name__} defines no pipeline_units; "
+                f"pipeline parallelism (parallel.pp > 1) needs them"
+            )
         cfg, dims = self.pipeline_config, self.parallel_dims
         self.num_stages = dims.pp * cfg.per_rank
         units = plan.pipeline_units(model)
@@ -429,10 +454,15 @@ class TitanStrategy(ModelParallelStrategy):
                 # The loss lives on the last stage; summing it over the pp group (for the log) is a
                 # collective, so only on logging steps. Other steps return this stage's loss (zero
                 # off the last stage), which nothing but the logger reads.
-                loss = self.pipeline.train_step(local_inputs, local_labels, module.compute_loss,
-                                                accumulation=accumulation, loss_in_model=module.loss_in_model,
-                                                sum_over_stages=is_logging_step(module.trainer, module.global_step + 1),
-                                                model_kwargs=extra)
+                loss = self.pipeline.train_step(
+                    local_inputs,
+                    local_labels,
+                    module.compute_loss,
+                    accumulation=accumulation,
+                    loss_in_model=module.loss_in_model,
+                    sum_over_stages=is_logging_step(module.trainer, module.global_step + 1),
+                    model_kwargs=extra,
+                )
             else:
                 loss = module.model_loss(local_inputs, local_labels)
             module.record_train_loss(loss, inputs)
@@ -446,8 +476,9 @@ class TitanStrategy(ModelParallelStrategy):
             tokens, extra = module.unpack_batch(args[0])
             inputs, labels = self._shard_sequence(*module.split_batch(tokens), extra)
             if self.pipeline is not None:
-                loss = self.pipeline.eval_step(inputs, labels, module.compute_loss, loss_in_model=module.loss_in_model,
-                                               model_kwargs=extra)
+                loss = self.pipeline.eval_step(
+                    inputs, labels, module.compute_loss, loss_in_model=module.loss_in_model, model_kwargs=extra
+                )
             else:
                 loss = module.model_loss(inputs, labels)
             module.record_val_loss(loss)
@@ -457,8 +488,10 @@ class TitanStrategy(ModelParallelStrategy):
         if self.context_parallel is None:
             return inputs, labels
         if extra:  # config.validate refuses these with cp > 1; a custom data module could still send them
-            raise ValueError(f"context parallelism does not take per-token {sorted(extra)} (document positions/"
-                             f"masks) yet; set data.document_positions=false and data.document_masking=false")
+            raise ValueError(
+                f"context parallelism does not take per-token {sorted(extra)} (document positions/"
+                f"masks) yet; set data.document_positions=false and data.document_masking=false"
+            )
         return self.context_parallel.shard(inputs, labels)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -481,8 +514,9 @@ class TitanStrategy(ModelParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         with phase(self.lightning_module, "checkpoint"):  # the part that blocks training (staging)
-            self.checkpoint_writer.save(state, checkpoint, path, rank=self.global_rank, world_size=self.world_size,
-                                        barrier=self.barrier)
+            self.checkpoint_writer.save(
+                state, checkpoint, path, rank=self.global_rank, world_size=self.world_size, barrier=self.barrier
+            )
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The live sharded model state, not Lightning's CPU copy (``cpu_offload=True``).
@@ -505,12 +539,12 @@ class TitanStrategy(ModelParallelStrategy):
 
         assert self.model is not None
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        return get_optimizer_state_dict(self.model, optimizer,
-                                        options=StateDictOptions(full_state_dict=False, cpu_offload=False))
+        return get_optimizer_state_dict(
+            self.model, optimizer, options=StateDictOptions(full_state_dict=False, cpu_offload=False)
+        )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Validate, then load shards into the parallelised model under any layout (DCP reshards)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
-        return load_sharded(self.model, list(self.optimizers), path, rank=self.global_rank,
-                            world_size=self.world_size)
+        return load_sharded(self.model, list(self.optimizers), path, rank=self.global_rank, world_size=self.world_size)

@@ -21,8 +21,9 @@ from lit_titan.strategies.plan import ParallelPlan
 StyleRewrite = Callable[[str, nn.Module, Any], Any]
 
 
-def tp_plans(model: nn.Module, plan: ParallelPlan, loss_parallel: bool,
-             rewrites: Sequence[StyleRewrite] = ()) -> list[tuple[nn.Module, Any]]:
+def tp_plans(
+    model: nn.Module, plan: ParallelPlan, loss_parallel: bool, rewrites: Sequence[StyleRewrite] = ()
+) -> list[tuple[nn.Module, Any]]:
     """``(module, parallelize_plan)`` pairs, in the order ``apply_tensor_parallel`` applies them.
 
     The plan's root styles, then each block's, then the pipeline stage boundary styles, each
@@ -55,8 +56,9 @@ def tp_plans(model: nn.Module, plan: ParallelPlan, loss_parallel: bool,
     return plans
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: ParallelPlan, loss_parallel: bool,
-                          rewrites: Sequence[StyleRewrite] = ()) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh, plan: ParallelPlan, loss_parallel: bool, rewrites: Sequence[StyleRewrite] = ()
+) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     for module, styles in tp_plans(model, plan, loss_parallel, rewrites):
@@ -84,7 +86,9 @@ def _expand(root: nn.Module, key: str) -> list[str]:
     if not any(c in key for c in "*?["):
         return [key]
     atoms = key.split(".")
-    matches = [name for name, _ in root.named_modules()
-               if name and len(name.split(".")) == len(atoms)
-               and all(fnmatch(a, p) for a, p in zip(name.split("."), atoms))]
+    matches = [
+        name
+        for name, _ in root.named_modules()
+        if name and len(name.split(".")) == len(atoms) and all(fnmatch(a, p) for a, p in zip(name.split("."), atoms))
+    ]
     return matches or [key]  # no match: parallelize_module warns and skips, as without rewrites

@@ -16,8 +16,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["MODES", "apply_activation_checkpointing", "compile_blocks", "request_activation_checkpointing",
-           "request_compile", "request_float8"]
+__all__ = [
+    "MODES",
+    "apply_activation_checkpointing",
+    "compile_blocks",
+    "request_activation_checkpointing",
+    "request_compile",
+    "request_float8",
+]
 
 MODES = ("none", "full", "selective_op", "selective_layer")
 
@@ -26,7 +32,8 @@ MODES = ("none", "full", "selective_op", "selective_layer")
 # Attention is named once per SDPA kernel torch may pick: flash/efficient/cuDNN on CUDA (cuDNN is
 # preferred on H100 by recent torch), flash_for_cpu on CPU; ops a torch version lacks are skipped.
 _SAVE_OP_NAMES = (
-    "mm", "addmm",
+    "mm",
+    "addmm",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_cudnn_attention",
@@ -60,14 +67,15 @@ def checkpointed(block: nn.Module, selective: bool) -> nn.Module:
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls_and_attention)} \
-        if selective else {}
-    return checkpoint_wrapper(block, checkpoint_fn=checkpoint, use_reentrant=False, preserve_rng_state=False,
-                              **kwargs)
+    kwargs = (
+        {"context_fn": partial(create_selective_checkpoint_contexts, _save_matmuls_and_attention)} if selective else {}
+    )
+    return checkpoint_wrapper(block, checkpoint_fn=checkpoint, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module, container: nn.ModuleDict, mode: str,
-                                   every_n_layers: int = 2) -> int:
+def apply_activation_checkpointing(
+    model: nn.Module, container: nn.ModuleDict, mode: str, every_n_layers: int = 2
+) -> int:
     """Wrap blocks of ``container`` in place; returns how many were wrapped."""
     if mode not in MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of {MODES}")
@@ -97,15 +105,17 @@ def request_activation_checkpointing(strategy: Any, mode: str, every_n_layers: i
     strategy.register_transform("activation_checkpointing", transform)
 
 
-def compile_blocks(model: nn.Module, plan: Any, *, fullgraph: bool = True, backend: str = "inductor",
-                   mode: str | None = None) -> None:
+def compile_blocks(
+    model: nn.Module, plan: Any, *, fullgraph: bool = True, backend: str = "inductor", mode: str | None = None
+) -> None:
     """Compile each block in place (``nn.Module.compile``: parameter names stay unchanged); lazy, so free on meta."""
     for block in plan.blocks(model):
         block.compile(fullgraph=fullgraph, backend=backend, mode=mode)
 
 
-def request_compile(strategy: Any, *, fullgraph: bool = True, backend: str = "inductor",
-                    mode: str | None = None) -> None:
+def request_compile(
+    strategy: Any, *, fullgraph: bool = True, backend: str = "inductor", mode: str | None = None
+) -> None:
     """Compile ``strategy``'s model per block (TorchTitan's granularity); after TP and AC, before FSDP.
 
     Safe with TP because the residual stream between blocks stays a Shard(1) DTensor (see
@@ -113,15 +123,22 @@ def request_compile(strategy: Any, *, fullgraph: bool = True, backend: str = "in
     """
     dims = getattr(strategy, "parallel_dims", None)
     if dims is not None and dims.cp > 1:
-        raise NotImplementedError("Compile with context parallelism (parallel.cp > 1) is not supported yet: the "
-                                  "all-gather-KV attention runs collectives inside an autograd Function; drop "
-                                  "the compile callback or set parallel.cp=1")
-    strategy.register_transform("compile", lambda model, plan, strategy: compile_blocks(
-        model, plan, fullgraph=fullgraph, backend=backend, mode=mode))
+        raise NotImplementedError(
+            "Compile with context parallelism (parallel.cp > 1) is not supported yet: the "
+            "all-gather-KV attention runs collectives inside an autograd Function; drop "
+            "the compile callback or set parallel.cp=1"
+        )
+    strategy.register_transform(
+        "compile",
+        lambda model, plan, strategy: compile_blocks(model, plan, fullgraph=fullgraph, backend=backend, mode=mode),
+    )
 
 
-def request_float8(strategy: Any, convert: Callable[[nn.Module, Any, Any], None],
-                   tp_style: Callable[[str, nn.Module, Any], Any] | None = None) -> None:
+def request_float8(
+    strategy: Any,
+    convert: Callable[[nn.Module, Any, Any], None],
+    tp_style: Callable[[str, nn.Module, Any], Any] | None = None,
+) -> None:
     """Convert ``strategy``'s model's Linears first (before pipeline split, TP, AC, compile and FSDP).
 
     ``convert``: the conversion (``Float8.convert``, which holds the recipe and the filter);

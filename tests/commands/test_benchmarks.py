@@ -31,8 +31,13 @@ def _smoke(script: str, tmp_path: Path) -> tuple[list[str], dict | list]:
 
 @pytest.mark.slow
 def test_vs_bare_loop_cpu_smoke(tmp_path):
-    rows = ["bf16_eager", "bf16_compile", "compile_float8_tensorwise", "compile_float8_rowwise",
-            "compile_ac_selective_op"]  # the GPU table's rows (docs/benchmarks.md)
+    rows = [
+        "bf16_eager",
+        "bf16_compile",
+        "compile_float8_tensorwise",
+        "compile_float8_rowwise",
+        "compile_ac_selective_op",
+    ]  # the GPU table's rows (docs/benchmarks.md)
     table, results = _smoke("vs_bare_loop.py", tmp_path)
     assert [line.split("|")[1].strip() for line in table[2:]] == rows
     assert [r["name"] for r in results] == rows

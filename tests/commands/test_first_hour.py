@@ -24,7 +24,9 @@ def test_noise_finds_warnings_in_python_and_lightning_formats():
     lightning = "/x/lightning/fabric/loggers/csv_logs.py:268: Experiment logs directory /r/ exists and is not empty."
     python = "/x/datamodule.py:322: UserWarning: The validation split yields 13 sequences"
     assert noise("\n".join(["step 1/2 | loss 8.1 | 5 tokens/s", lightning, python, "lit-titan: 2 steps"])) == [
-        lightning, python]
+        lightning,
+        python,
+    ]
     named = ["lit-titan: outputs in /tmp/test_warn_names_0", "python -m lit_titan.train preflight.action=warn"]
     said = ["WARNING: rank 2 is slow", "lit-titan: warning: x", "a DeprecationWarning here", "FutureWarning: y"]
     assert noise("\n".join(named + said)) == said
@@ -54,8 +56,10 @@ def test_every_command_line_is_read_by_the_same_matcher():
 
 
 def step_lines(output: str) -> list[tuple[int, int]]:
-    return [(int(m.group(1)), int(m.group(2))) for m in re.finditer(r"^step (\d+)/(\d+) \| loss [\d.]+ \| ", output,
-                                                                   re.MULTILINE)]
+    return [
+        (int(m.group(1)), int(m.group(2)))
+        for m in re.finditer(r"^step (\d+)/(\d+) \| loss [\d.]+ \| ", output, re.MULTILINE)
+    ]
 
 
 def continue_command(output: str) -> str:
@@ -106,9 +110,20 @@ def _own_text(directory: Path) -> Path:
 def test_two_process_run_on_own_text_with_accumulation_is_quiet_and_counts_optimizer_steps(tmp_path):
     """README's own-text command on 2 ranks x 2 micro-batches per step: one progress line per optimizer step."""
     texts = _own_text(tmp_path / "my_texts")
-    proc = run_cli([*TINY, "data=text", f"data.path={texts}", "cluster=cpu", "cluster.devices=2",
-                    "data.micro_batch_size=2", "trainer.max_steps=3", "trainer.enable_progress_bar=true",
-                    "checkpoint.enabled=false"], tmp_path / "run")
+    proc = run_cli(
+        [
+            *TINY,
+            "data=text",
+            f"data.path={texts}",
+            "cluster=cpu",
+            "cluster.devices=2",
+            "data.micro_batch_size=2",
+            "trainer.max_steps=3",
+            "trainer.enable_progress_bar=true",
+            "checkpoint.enabled=false",
+        ],
+        tmp_path / "run",
+    )
     out = proc.stdout + proc.stderr
     assert noise(out) == [], out[-4000:]
     assert step_lines(proc.stdout) == [(1, 3), (2, 3), (3, 3)], proc.stdout[-2000:]
@@ -136,10 +151,14 @@ def test_known_warnings_hide_exactly_the_listed_messages():
         text = "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)` instead."
         warnings.warn_explicit(text, FutureWarning, "_pytree.py", 21, module="lightning.pytorch.utilities._pytree")
         warnings.warn_explicit(text, FutureWarning, "mine.py", 1, module="my_project.models")  # other module
-        warnings.warn_explicit("something new", FutureWarning, "_pytree.py", 22,
-                               module="lightning.pytorch.utilities._pytree")
+        warnings.warn_explicit(
+            "something new", FutureWarning, "_pytree.py", 22, module="lightning.pytorch.utilities._pytree"
+        )
     assert re.match(leaf.module, "lightning.pytorch.utilities._pytree")
-    assert [(str(w.message)[:20], w.filename) for w in seen] == [(text[:20], "mine.py"), ("something new", "_pytree.py")]
+    assert [(str(w.message)[:20], w.filename) for w in seen] == [
+        (text[:20], "mine.py"),
+        ("something new", "_pytree.py"),
+    ]
 
 
 def test_known_log_lines_of_torch_are_dropped_and_others_kept(caplog):
@@ -148,12 +167,19 @@ def test_known_log_lines_of_torch_are_dropped_and_others_kept(caplog):
 
     import lit_titan  # noqa: F401 - installs the filters
 
-    pytree, redistribute = logging.getLogger("torch.utils._pytree"), logging.getLogger("torch.distributed.tensor._redistribute")
+    pytree, redistribute = (
+        logging.getLogger("torch.utils._pytree"),
+        logging.getLogger("torch.distributed.tensor._redistribute"),
+    )
     with caplog.at_level(logging.WARNING):
-        pytree.warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque value "
-                       "type.", "<enum 'KernelPreference'>")
-        redistribute.warning("While redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to (Replicate(), "
-                             "Replicate()), 2 sequential all_reduce operations will be performed.")
+        pytree.warning(
+            "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type.",
+            "<enum 'KernelPreference'>",
+        )
+        redistribute.warning(
+            "While redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to (Replicate(), "
+            "Replicate()), 2 sequential all_reduce operations will be performed."
+        )
         redistribute.warning("While redistributing from (Shard(0),) to (Replicate(),), something new")
     assert [r.getMessage()[-13:] for r in caplog.records] == ["something new"]
 
@@ -193,8 +219,8 @@ def test_help_of_every_entry_point_lists_every_group_and_option(command, capsys)
 def test_most_used_keys_in_help_exist_in_the_config():
     from omegaconf import OmegaConf
 
-    from lit_titan.config import compose
     from lit_titan.cli.usage import KEYS
+    from lit_titan.config import compose
 
     cfg = compose(["data=text", "data.path=/nowhere"])  # data.path belongs to data=text|tokens
     missing = [key for key, _ in KEYS if OmegaConf.select(cfg, key, default="<missing>") == "<missing>"]
@@ -224,16 +250,18 @@ def test_help_imports_neither_torch_nor_lightning():
     a wall-clock bound, which a loaded machine would break: one fresh interpreter runs both help paths
     as the command line does, then lists what they imported.
     """
-    code = ("import contextlib, io, runpy, sys\n"
-            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
-            "    sys.argv = ['lit_titan.train', '--help']\n"
-            "    runpy.run_module('lit_titan.train', run_name='__main__')\n"
-            "    try:\n"
-            "        runpy.run_module('lit_titan.cli', run_name='__main__')\n"
-            "    except SystemExit as done:\n"
-            "        assert done.code == 0, done.code\n"
-            "assert '== Config groups' in out.getvalue() and 'commands:' in out.getvalue(), out.getvalue()\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'numpy', 'litdata'}))\n")
+    code = (
+        "import contextlib, io, runpy, sys\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    sys.argv = ['lit_titan.train', '--help']\n"
+        "    runpy.run_module('lit_titan.train', run_name='__main__')\n"
+        "    try:\n"
+        "        runpy.run_module('lit_titan.cli', run_name='__main__')\n"
+        "    except SystemExit as done:\n"
+        "        assert done.code == 0, done.code\n"
+        "assert '== Config groups' in out.getvalue() and 'commands:' in out.getvalue(), out.getvalue()\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'lightning', 'numpy', 'litdata'}))\n"
+    )
     proc = run_job([sys.executable, "-c", code], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
@@ -241,10 +269,8 @@ def test_help_imports_neither_torch_nor_lightning():
 
 # Each command of README's "First hour" section -> where the tests run it.
 README_COMMANDS = {
-    "python -m lit_titan.train data=text data.path=my_texts/ trainer.max_steps=200":
-        "test_two_process_run_on_own_text_with_accumulation_is_quiet_and_counts_optimizer_steps",
-    "python -m lit_titan.train <notebook 04's SETTINGS + LAYOUT> run_dir=runs/to_parallel/dp2_tp2":
-        "tests/docs/test_notebooks.py::test_notebook_runs[04_notebook_to_parallel]",
+    "python -m lit_titan.train data=text data.path=my_texts/ trainer.max_steps=200": "test_two_process_run_on_own_text_with_accumulation_is_quiet_and_counts_optimizer_steps",
+    "python -m lit_titan.train <notebook 04's SETTINGS + LAYOUT> run_dir=runs/to_parallel/dp2_tp2": "tests/docs/test_notebooks.py::test_notebook_runs[04_notebook_to_parallel]",
 }
 
 
@@ -262,16 +288,22 @@ def test_readme_first_hour_commands_are_exercised():
     setup = next("".join(c["source"]) for c in nb["cells"] if "SETTINGS = [" in "".join(c["source"]))
     scope: dict = {}
     exec(setup, scope)  # the notebook's own definitions of the job it launches
-    notebook_job = " ".join(["python -m lit_titan.train", *scope["SETTINGS"], *scope["LAYOUT"],
-                             "run_dir=runs/to_parallel/dp2_tp2"])
+    notebook_job = " ".join(
+        ["python -m lit_titan.train", *scope["SETTINGS"], *scope["LAYOUT"], "run_dir=runs/to_parallel/dp2_tp2"]
+    )
     commands = _first_hour_commands()
     assert notebook_job in commands, (notebook_job, commands)
-    named = {c if c != notebook_job else
-             "python -m lit_titan.train <notebook 04's SETTINGS + LAYOUT> run_dir=runs/to_parallel/dp2_tp2"
-             for c in commands}
+    named = {
+        c
+        if c != notebook_job
+        else "python -m lit_titan.train <notebook 04's SETTINGS + LAYOUT> run_dir=runs/to_parallel/dp2_tp2"
+        for c in commands
+    }
     assert named == set(README_COMMANDS), named
     for where in README_COMMANDS.values():
-        assert where.split("[")[0].split("::")[-1] in globals() or where.startswith("tests/docs/test_notebooks.py"), where
+        assert where.split("[")[0].split("::")[-1] in globals() or where.startswith("tests/docs/test_notebooks.py"), (
+            where
+        )
 
 
 def test_csv_logger_warns_only_when_it_would_replace_metrics(tmp_path):
@@ -282,11 +314,11 @@ def test_csv_logger_warns_only_when_it_would_replace_metrics(tmp_path):
     (tmp_path / "config.yaml").write_text("seed: 0\n")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        RunDirCSVLogger(save_dir=str(tmp_path), name="", version="").experiment
+        RunDirCSVLogger(save_dir=str(tmp_path), name="", version="").experiment  # noqa: B018 - creates the file
     assert [str(w.message) for w in seen] == []
     (tmp_path / "metrics.csv").write_text("step,train/loss\n0,9.0\n")
     with pytest.warns(UserWarning, match="metrics.csv exists from an earlier run"):
-        RunDirCSVLogger(save_dir=str(tmp_path), name="", version="").experiment
+        RunDirCSVLogger(save_dir=str(tmp_path), name="", version="").experiment  # noqa: B018 - creates the file
     assert not (tmp_path / "metrics.csv").exists()
 
 
@@ -298,20 +330,32 @@ def test_end_lines_name_tensorboard_and_mfu_when_known_and_only_outputs_that_exi
     run = tmp_path / "a"
     tensorboard = tensorboard_dir(compose(["logger=[csv,tensorboard]", f"run_dir={run}"]))
     assert tensorboard == f"{run}/tensorboard" and tensorboard_dir(compose([f"run_dir={run}"])) is None
-    figures = {"steps": 3, "tokens": 12288, "final_loss": 8.7, "tokens_per_second": 192.5, "train_seconds": 63.8,
-               "mfu": 0.412}
+    figures = {
+        "steps": 3,
+        "tokens": 12288,
+        "final_loss": 8.7,
+        "tokens_per_second": 192.5,
+        "train_seconds": 63.8,
+        "mfu": 0.412,
+    }
     # No checkpoints (checkpoint.enabled=false) and a TensorBoard logger that has not written: neither is named.
     summary = RunSummary(str(run), continue_command=None, tensorboard_dir=tensorboard)
     summary.summary = figures
     lines = summary.lines()
-    assert lines[0] == "lit-titan: 3 steps, 12,288 tokens, final train/loss 8.7000, 192.5 tokens/s over 63.8 s, MFU 41.2%"
+    assert (
+        lines[0] == "lit-titan: 3 steps, 12,288 tokens, final train/loss 8.7000, 192.5 tokens/s over 63.8 s, MFU 41.2%"
+    )
     assert lines[1] == f"lit-titan: outputs in {run} (metrics.csv)"
     assert not any("tensorboard" in line.lower() for line in lines)
     assert not any("more step" in line for line in lines)  # no checkpoint to continue from: no command
     (run / "tensorboard").mkdir(parents=True)
     (run / "config.yaml").write_text("seed: 0\n")
-    summary = RunSummary(str(run), continue_command="python -m lit_titan.train resume=auto",
-                         tensorboard_dir=tensorboard, checkpoint_dir=str(run / "checkpoints"))
+    summary = RunSummary(
+        str(run),
+        continue_command="python -m lit_titan.train resume=auto",
+        tensorboard_dir=tensorboard,
+        checkpoint_dir=str(run / "checkpoints"),
+    )
     summary.summary = figures
     lines = summary.lines()
     assert lines[1] == f"lit-titan: outputs in {run} (metrics.csv, config.yaml, checkpoints/, tensorboard/)"

@@ -23,20 +23,37 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY, assert_losses_match, losses, read_metrics
-
-from lit_titan.config import ConfigError, compose
 from lit_titan.cli.launch import check_cluster, launch_command
+from lit_titan.config import ConfigError, compose
 from paths import SCRIPTS
 
 STEPS, EVERY, KILL_AT = 8, 3, 5
-COMMON = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "trainer.deterministic=true",
-          "checkpoint.keep_last=0"]
+COMMON = [
+    *TINY,
+    f"trainer.max_steps={STEPS}",
+    "seed=0",
+    "precision=32-true",
+    "trainer.deterministic=true",
+    "checkpoint.keep_last=0",
+]
 # 2 "nodes" x 2 processes: replicate across the nodes, shard inside each.
 HSDP = ["cluster.num_nodes=2", "cluster.devices=2", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
 NODE_TIMEOUT_S = 900  # per job; a loaded 2-core machine (CI + other jobs) took 250-460 s for one
 # Set in this process by in-process fits or our entry points; a node must not inherit them.
-_DROP = ("LIT_TITAN_RUN_DIR", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-         "GROUP_RANK", "LOCAL_WORLD_SIZE", "GLOBAL_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+_DROP = (
+    "LIT_TITAN_RUN_DIR",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GLOBAL_RANK",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+)
 
 
 def _free_port() -> int:
@@ -51,16 +68,22 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def _run_nodes(cmds: list[list[str]], envs: list[dict[str, str]], cwd: Path) -> list[subprocess.CompletedProcess]:
     """Start every node's command at once (each in its own session), wait for all; kill all on a timeout."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
-                              start_new_session=True) for cmd, env in zip(cmds, envs)]
+    procs = [
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True
+        )
+        for cmd, env in zip(cmds, envs)
+    ]
     outs = []
     try:
         for p in procs:
             outs.append(p.communicate(timeout=NODE_TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as err:
         for p in procs:
             _kill_group(p.pid)
-        raise AssertionError("nodes timed out:\n" + "\n".join((p.communicate()[0] or "")[-4000:] for p in procs))
+        raise AssertionError(
+            "nodes timed out:\n" + "\n".join((p.communicate()[0] or "")[-4000:] for p in procs)
+        ) from err
     finally:
         for p in procs:
             _kill_group(p.pid)
@@ -76,8 +99,14 @@ def _kill_group(pgid: int) -> None:
 
 def _printed(overrides: list[str], cwd: Path) -> str:
     """What ``lit-titan launch --dry-run OVERRIDES`` prints, through the real command line."""
-    proc = subprocess.run([sys.executable, "-m", "lit_titan.cli", "launch", "--dry-run", *overrides], capture_output=True,
-                          text=True, cwd=cwd, env=_clean_env(), timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_titan.cli", "launch", "--dry-run", *overrides],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=_clean_env(),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip()
 
@@ -87,8 +116,10 @@ def _bin_dir(tmp_path: Path) -> Path:
     and, where this environment lacks it, ``torchrun``, on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    shims = {"srun": f'exec {sys.executable} {SCRIPTS / "fake_slurm.py"} srun "$@"',
-             "python": f'exec {sys.executable} "$@"'}
+    shims = {
+        "srun": f'exec {sys.executable} {SCRIPTS / "fake_slurm.py"} srun "$@"',
+        "python": f'exec {sys.executable} "$@"',
+    }
     if shutil.which("torchrun") is None:  # torch installed outside this venv's bin/
         shims["torchrun"] = f'exec {sys.executable} -m torch.distributed.run "$@"'
     for name, body in shims.items():
@@ -115,10 +146,25 @@ def two_nodes(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]
     """Two torchrun agents (``--node-rank=0/1``) on this machine, 2 processes each, HSDP 2 x 2."""
     run_dir = tmp_path_factory.mktemp("two-nodes")
     port = _free_port()
-    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
-             str(SCRIPTS / "node_topology.py"), *COMMON, *HSDP, f"checkpoint.every_n_steps={EVERY}",
-             f"run_dir={run_dir}"] for node in (0, 1)]
+    cmds = [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=two-nodes",
+            str(SCRIPTS / "node_topology.py"),
+            *COMMON,
+            *HSDP,
+            f"checkpoint.every_n_steps={EVERY}",
+            f"run_dir={run_dir}",
+        ]
+        for node in (0, 1)
+    ]
     nodes = _run_nodes(cmds, [_clean_env(TEST_NODE=str(node)) for node in (0, 1)], cwd=run_dir)
     for node in nodes:
         assert node.returncode == 0, node.stdout[-6000:]
@@ -165,15 +211,26 @@ def test_killed_rank_restarts_both_nodes_and_resumes(two_nodes, one_process, tmp
     """
     ref_dir, _ = two_nodes
     run_dir = tmp_path / "run"
-    line = _printed([*COMMON, *HSDP, f"checkpoint.every_n_steps={EVERY}", "fault.kill_rank=3",
-                     f"fault.at_step={KILL_AT}", f"run_dir={run_dir}"], cwd=tmp_path)
+    line = _printed(
+        [
+            *COMMON,
+            *HSDP,
+            f"checkpoint.every_n_steps={EVERY}",
+            "fault.kill_rank=3",
+            f"fault.at_step={KILL_AT}",
+            f"run_dir={run_dir}",
+        ],
+        cwd=tmp_path,
+    )
     assert "--rdzv_endpoint=${MASTER_ADDR" in line and "resume=auto" in line and "--max-restarts=3" in line
     line = line.replace("-m lit_titan.train", str(SCRIPTS / "node_topology.py"))  # records each attempt's layout
     path = f"{_bin_dir(tmp_path)}:{os.environ['PATH']}"
     port = str(_free_port())
-    nodes = _run_nodes([["bash", "-c", line]] * 2,
-                       [_clean_env(PATH=path, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TEST_NODE=str(n))
-                        for n in (0, 1)], cwd=tmp_path)
+    nodes = _run_nodes(
+        [["bash", "-c", line]] * 2,
+        [_clean_env(PATH=path, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TEST_NODE=str(n)) for n in (0, 1)],
+        cwd=tmp_path,
+    )
     out = "\n".join(n.stdout for n in nodes)
     assert all(n.returncode == 0 for n in nodes), out[-8000:]
     assert out.count("fault injection: killing rank 3") == 1
@@ -207,8 +264,17 @@ def test_printed_sbatch_script_runs_under_stand_in_srun(one_process, tmp_path):
     """Two "nodes" x 2 tasks under the printed script's restart loop: rank 3 dies after step 5, srun
     ends the step, the loop starts attempt 1, which resumes from step 3 of the same run_dir (pinned
     to the job id by the script) and ends with the one-process losses."""
-    script = _printed([*COMMON, *HSDP, "cluster.launcher=srun", f"checkpoint.every_n_steps={EVERY}",
-                       "fault.kill_rank=3", f"fault.at_step={KILL_AT}"], cwd=tmp_path)
+    script = _printed(
+        [
+            *COMMON,
+            *HSDP,
+            "cluster.launcher=srun",
+            f"checkpoint.every_n_steps={EVERY}",
+            "fault.kill_rank=3",
+            f"fault.at_step={KILL_AT}",
+        ],
+        cwd=tmp_path,
+    )
     assert "--gpus-per-node" not in script  # a CPU job asks for no GPUs
     (tmp_path / "job.sh").write_text(script + "\n")
     job_id = _slurm_job_id()
@@ -230,8 +296,13 @@ def test_stand_in_sbatch_refuses_gpus_on_a_cpu_job(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     (tmp_path / "job.sh").write_text("#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --gpus-per-node=2\necho ran\n")
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "fake_slurm.py"), "sbatch", "job.sh"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fake_slurm.py"), "sbatch", "job.sh"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1 and "ran" not in proc.stdout and "Requested node configuration" in proc.stderr
 
 
@@ -248,12 +319,18 @@ def test_printed_commands_find_node_zero_and_agree_on_run_dir():
     assert "$SLURM_JOB_ID" not in own and "run_dir=/shared/a" in own
 
 
-@pytest.mark.parametrize("overrides,names", [
-    (["cluster.num_nodes=2", "cluster.devices=2", "parallel.dp_replicate=2", "parallel.dp_shard=4"],
-     "cluster.num_nodes"),
-    (["cluster=h100_64", "cluster.devices=16"], "cluster.gpus_per_node=8"),
-    (["cluster.launcher=mpirun"], "cluster.launcher=mpirun: not an option; choose one of torchrun, srun"),  # schema
-], ids=["nodes-x-devices-vs-layout", "devices-above-gpus-per-node", "unknown-launcher"])
+@pytest.mark.parametrize(
+    "overrides,names",
+    [
+        (
+            ["cluster.num_nodes=2", "cluster.devices=2", "parallel.dp_replicate=2", "parallel.dp_shard=4"],
+            "cluster.num_nodes",
+        ),
+        (["cluster=h100_64", "cluster.devices=16"], "cluster.gpus_per_node=8"),
+        (["cluster.launcher=mpirun"], "cluster.launcher=mpirun: not an option; choose one of torchrun, srun"),  # schema
+    ],
+    ids=["nodes-x-devices-vs-layout", "devices-above-gpus-per-node", "unknown-launcher"],
+)
 def test_a_profile_that_does_not_fit_the_layout_is_one_line(overrides, names):
     with pytest.raises(ConfigError, match=re.escape(names)):
         check_cluster(compose(overrides))
@@ -261,13 +338,24 @@ def test_a_profile_that_does_not_fit_the_layout_is_one_line(overrides, names):
 
 def test_launch_refuses_before_starting_anything(tmp_path):
     """Through the command line, without --dry-run: one line, exit 2, nothing started or written."""
-    proc = subprocess.run([sys.executable, "-m", "lit_titan.cli", "launch", *HSDP[:3], "parallel.dp_shard=4"],
-                          capture_output=True, text=True, cwd=tmp_path, env=_clean_env(MASTER_ADDR="127.0.0.1"),
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lit_titan.cli", "launch", *HSDP[:3], "parallel.dp_shard=4"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_clean_env(MASTER_ADDR="127.0.0.1"),
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lit-titan: error: cluster has 2 node(s) x 2 device(s)")
     assert "cluster.num_nodes" in lines[0] and not list(tmp_path.iterdir())
-    no_addr = subprocess.run([sys.executable, "-m", "lit_titan.cli", "launch", *HSDP], capture_output=True, text=True,
-                             cwd=tmp_path, env=_clean_env(), timeout=300)
+    no_addr = subprocess.run(
+        [sys.executable, "-m", "lit_titan.cli", "launch", *HSDP],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=_clean_env(),
+        timeout=300,
+    )
     assert no_addr.returncode == 2 and "set MASTER_ADDR" in no_addr.stderr and not list(tmp_path.iterdir())

@@ -19,15 +19,21 @@ import pytest
 import torch
 
 from helpers import TINY, _kill_group, final_params, start_job
-
 from lit_titan.checkpoint import published, validate
 from lit_titan.errors import REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
 STEPS, AT = 8, 3
-COMMON = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "trainer.deterministic=true",
-          "checkpoint.keep_last=0", "cluster.devices=2"]
+COMMON = [
+    *TINY,
+    f"trainer.max_steps={STEPS}",
+    "seed=0",
+    "precision=32-true",
+    "trainer.deterministic=true",
+    "checkpoint.keep_last=0",
+    "cluster.devices=2",
+]
 PAUSE = [f"fault.at_step={AT}", "fault.pause=true"]
 _PAUSED = re.compile(r"fault injection: rank (\d+) \(pid (\d+)\) paused")
 
@@ -89,9 +95,22 @@ def test_sigterm_saves_the_step_and_exits_for_requeue(reference, tmp_path, world
 
 def test_torchrun_requeues_a_preempted_rank_and_finishes(reference, tmp_path):
     """torchrun reads the requeue code as a failed attempt: it restarts the workers, which resume and finish."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "lit_titan.train", *COMMON, *PAUSE,
-           "fault.kill_rank=1", "resume=auto", f"run_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0",
+        "-m",
+        "lit_titan.train",
+        *COMMON,
+        *PAUSE,
+        "fault.kill_rank=1",
+        "resume=auto",
+        f"run_dir={tmp_path}",
+    ]
     proc, _ = signal_when_paused(cmd, to_launcher=False)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "preempted (SIGTERM on rank 1): saved the checkpoint of step 3" in proc.stderr, proc.stderr[-5000:]
@@ -104,17 +123,18 @@ def test_s3_outage_retries_then_saves_and_exits_for_requeue(tmp_path):
     """The S3 server stops mid-run: the reader retries (bounded), then every rank saves and the job exits
     with the one line and the requeue code; the advice is to continue, not to change AWS_ENDPOINT_URL."""
     import boto3
-    from s3server import S3Server, start_moto
     from test_data_order import _synthetic_corpus
 
     from lit_titan.data import prepare_shards, split_corpus, text_corpus
     from lit_titan.data.remote import OUTAGE_ENV, upload_dir
     from lit_titan.data.tokenizers import train_bpe_tokenizer
+    from s3server import S3Server, start_moto
 
     corpus = text_corpus(_synthetic_corpus(tmp_path / "docs", 120, 300, seed=5))
     train, val = split_corpus(corpus, 0.05)
-    prepare_shards(train, val, train_bpe_tokenizer(corpus, 512, tmp_path / "tok"), tmp_path / "local",
-                   chunk_tokens=256)  # about one new chunk per step: every step reads from the server
+    prepare_shards(
+        train, val, train_bpe_tokenizer(corpus, 512, tmp_path / "tok"), tmp_path / "local", chunk_tokens=256
+    )  # about one new chunk per step: every step reads from the server
     server_proc, endpoint = start_moto(tmp_path / "moto.log")  # its own server: this test stops it
     try:
         server = S3Server(endpoint, bucket="outage")
@@ -123,9 +143,21 @@ def test_s3_outage_retries_then_saves_and_exits_for_requeue(tmp_path):
         upload_dir(tmp_path / "local", url, server.storage_options())
         options = ",".join(f"{k}:'{v}'" for k, v in server.storage_options().items())
         run_dir = tmp_path / "run"
-        cmd = [sys.executable, "-m", "lit_titan.train", *COMMON, "data=tokens", "model.vocab_size=512",
-               f"data.path={url}", f"data.storage_options={{{options}}}", f"data.data_dir={tmp_path / 'cache'}",
-               "fault.kill_rank=0", "fault.at_step=2", "fault.pause=true", f"run_dir={run_dir}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lit_titan.train",
+            *COMMON,
+            "data=tokens",
+            "model.vocab_size=512",
+            f"data.path={url}",
+            f"data.storage_options={{{options}}}",
+            f"data.data_dir={tmp_path / 'cache'}",
+            "fault.kill_rank=0",
+            "fault.at_step=2",
+            "fault.pause=true",
+            f"run_dir={run_dir}",
+        ]
         job = start_job(cmd, env={**os.environ, OUTAGE_ENV: "4"})
         popen, head = job._popen, []
         timer = threading.Timer(500, _kill_group, (popen.pid,))
@@ -149,8 +181,11 @@ def test_s3_outage_retries_then_saves_and_exits_for_requeue(tmp_path):
     assert proc.returncode == REQUEUE_EXIT_CODE, (proc.returncode, stderr[-5000:])
     lines = [ln for ln in stderr.splitlines() if "data store outage" in ln]
     assert len(lines) == 1, stderr[-5000:]
-    match = re.search(rf"the S3 endpoint {re.escape(endpoint)} stopped answering mid-run .*attempts over \d+ s\): "
-                      r"saved the checkpoint of step (\d+) in ", lines[0])
+    match = re.search(
+        rf"the S3 endpoint {re.escape(endpoint)} stopped answering mid-run .*attempts over \d+ s\): "
+        r"saved the checkpoint of step (\d+) in ",
+        lines[0],
+    )
     assert match and "resume=auto" in lines[0], lines[0]
     step = int(match.group(1))
     assert step >= 2 and (run_dir / "checkpoints" / f"step-{step:06d}") in published(run_dir / "checkpoints")

@@ -26,29 +26,51 @@ SECRET = f"ltsecret{uuid.uuid4().hex}"
 TOKEN = f"lttok{uuid.uuid4().hex}"[:40]  # W&B keys are 40 characters
 
 
-def test_prepare_to_s3_then_credentials_appear_in_no_file_and_no_output(tmp_path: Path, s3_server: Any,
-                                                                      monkeypatch: Any) -> None:
+def test_prepare_to_s3_then_credentials_appear_in_no_file_and_no_output(
+    tmp_path: Path, s3_server: Any, monkeypatch: Any
+) -> None:
     from lit_titan.cli.prepare import main as prepare
 
     # prepare out=s3://: credentials from the environment, as docs/data.md recommends
     for key, value in s3_server.env().items():
         monkeypatch.setenv(key, value)
     url = s3_server.url()
-    result = prepare(["data.max_bytes=300000", "model.vocab_size=512", f"data.data_dir={tmp_path / 'cache'}",
-                      f"out={url}", "workers=1", "chunk_tokens=4096"])
+    result = prepare(
+        [
+            "data.max_bytes=300000",
+            "model.vocab_size=512",
+            f"data.data_dir={tmp_path / 'cache'}",
+            f"out={url}",
+            "workers=1",
+            "chunk_tokens=4096",
+        ]
+    )
     assert result["out"] == url and result["prepared"]
 
     run_dir = tmp_path / "my run $HOME"  # a space and a $: the printed commands must quote them
     options = {**s3_server.storage_options(), "aws_secret_access_key": SECRET}  # moto accepts any key
-    overrides = [*TINY, "trainer.max_steps=2", "data=tokens", f"data.path={url}",
-                 "data.storage_options={" + ",".join(f"{k}:'{v}'" for k, v in options.items()) + "}",
-                 f"data.data_dir={tmp_path / 'cache'}", "logger=[csv]",
-                 # a user's own logger settings (a target the schema does not check): W&B, given a token
-                 "+logger.wb._target_=lightning.pytorch.loggers.wandb.WandbLogger", "+logger.wb.save_dir=${run_dir}",
-                 "+logger.wb.offline=true", f"+logger.wb.settings.api_key={TOKEN}"]
+    overrides = [
+        *TINY,
+        "trainer.max_steps=2",
+        "data=tokens",
+        f"data.path={url}",
+        "data.storage_options={" + ",".join(f"{k}:'{v}'" for k, v in options.items()) + "}",
+        f"data.data_dir={tmp_path / 'cache'}",
+        "logger=[csv]",
+        # a user's own logger settings (a target the schema does not check): W&B, given a token
+        "+logger.wb._target_=lightning.pytorch.loggers.wandb.WandbLogger",
+        "+logger.wb.save_dir=${run_dir}",
+        "+logger.wb.offline=true",
+        f"+logger.wb.settings.api_key={TOKEN}",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "WANDB_"))}  # the options, not the env
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
-               WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"), WANDB_DATA_DIR=str(tmp_path / "wandb-data"))
+    env.update(
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+        WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
+        WANDB_DATA_DIR=str(tmp_path / "wandb-data"),
+    )
     proc = run_job([sys.executable, "-m", "lit_titan.train", *overrides, f"run_dir={run_dir}"], env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -92,29 +114,46 @@ def test_what_is_secret_and_printed_commands_round_trip_through_the_shell(monkey
     from lit_titan.job.ranks import scrub
     from lit_titan.observe.redact import is_secret_key, redact, secrets_of
 
-    secret = ["aws_secret_access_key", "aws_access_key_id", "aws_session_token", "key", "api_key", "hf_token",
-              "password", "WANDB_API_KEY", "credentials_file", "auth"]
+    secret = [
+        "aws_secret_access_key",
+        "aws_access_key_id",
+        "aws_session_token",
+        "key",
+        "api_key",
+        "hf_token",
+        "password",
+        "WANDB_API_KEY",
+        "credentials_file",
+        "auth",
+    ]
     plain = ["chunk_tokens", "tokenizer", "endpoint_url", "region_name", "tokens", "keys", "monkey", "path"]
     assert [k for k in secret + plain if is_secret_key(k)] == secret
 
     line = f"data.storage_options={{endpoint_url:'http://h:1',aws_secret_access_key:'{SECRET}'}}"
     mixture = f"data.sources=[{{path: s3://b/p, weight: 1, storage_options: {{aws_session_token: {TOKEN}}}}}]"
     assert secrets_of([line, mixture, "seed=1"]) == {SECRET, TOKEN}
-    assert redact([line, mixture]) == ["data.storage_options={endpoint_url:'http://h:1',aws_secret_access_key:'***'}",
-                                       "data.sources=[{path: s3://b/p, weight: 1, storage_options: "
-                                       "{aws_session_token: ***}}]"]
-    cfg = {"data": {"storage_options": {"aws_secret_access_key": SECRET, "endpoint_url": "http://h:1"}},
-           "note": f"x{SECRET}y"}
-    assert redact(cfg) == {"data": {"storage_options": {"aws_secret_access_key": "***", "endpoint_url": "http://h:1"}},
-                           "note": "x***y"}
+    assert redact([line, mixture]) == [
+        "data.storage_options={endpoint_url:'http://h:1',aws_secret_access_key:'***'}",
+        "data.sources=[{path: s3://b/p, weight: 1, storage_options: {aws_session_token: ***}}]",
+    ]
+    cfg = {
+        "data": {"storage_options": {"aws_secret_access_key": SECRET, "endpoint_url": "http://h:1"}},
+        "note": f"x{SECRET}y",
+    }
+    assert redact(cfg) == {
+        "data": {"storage_options": {"aws_secret_access_key": "***", "endpoint_url": "http://h:1"}},
+        "note": "x***y",
+    }
     monkeypatch.setattr(sys, "argv", ["lit_titan.train", line])
     assert scrub(f"{line}: not a config key") == (  # error lines too
-        "data.storage_options={endpoint_url:'http://h:1',aws_secret_access_key:'***'}: not a config key")
+        "data.storage_options={endpoint_url:'http://h:1',aws_secret_access_key:'***'}: not a config key"
+    )
 
     run_dir = str(tmp_path / "my run $HOME")
     (tmp_path / "my run $HOME" / "tensorboard").mkdir(parents=True)  # the summary names only outputs that exist
-    summary = RunSummary(run_dir, continue_command="python -m lit_titan.train 'x=***'",
-                         tensorboard_dir=f"{run_dir}/tensorboard")
+    summary = RunSummary(
+        run_dir, continue_command="python -m lit_titan.train 'x=***'", tensorboard_dir=f"{run_dir}/tensorboard"
+    )
     summary.summary = {"steps": 3, "tokens": 96, "final_loss": 8.7, "tokens_per_second": 1.0, "train_seconds": 1.0}
     lines = summary.lines()
     report = next(s for s in lines if "see the metrics" in s).split(": ", 2)[2].split("  (")[0]
@@ -122,4 +161,3 @@ def test_what_is_secret_and_printed_commands_round_trip_through_the_shell(monkey
     board = next(s for s in lines if "TensorBoard" in s).split(": ", 2)[2]
     assert shlex.split(board) == ["tensorboard", "--logdir", f"{run_dir}/tensorboard"]
     assert any(s.startswith("lit-titan: credentials are shown as ***") for s in lines)
-

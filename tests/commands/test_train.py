@@ -11,8 +11,10 @@ from helpers import TINY, losses, read_metrics, run_cli, run_job
 
 def test_cli_trains_and_loss_falls(tmp_path):
     exe = shutil.which("lit-titan") or os.path.join(os.path.dirname(sys.executable), "lit-titan")
-    proc = run_job([exe, "train", *TINY, "trainer.max_steps=30", "optim.lr=3e-3", "logger=tensorboard",
-                           f"run_dir={tmp_path}"], timeout=600)
+    proc = run_job(
+        [exe, "train", *TINY, "trainer.max_steps=30", "optim.lr=3e-3", "logger=tensorboard", f"run_dir={tmp_path}"],
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert [int(r["step"]) for r in rows] == list(range(30))  # one row per optimizer step

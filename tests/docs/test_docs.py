@@ -77,8 +77,11 @@ def _fmt(value) -> str:
 def test_every_config_key_is_documented_with_its_default(config_keys, doc_rows):
     missing = sorted(k for k in config_keys if k not in doc_rows)
     assert not missing, f"docs/configuration.md lacks rows for {missing}"
-    wrong = {k: (doc_rows[k], _fmt(v)) for k, v in config_keys.items()
-             if doc_rows[k].startswith("`") and doc_rows[k] != f"`{_fmt(v)}`"}
+    wrong = {
+        k: (doc_rows[k], _fmt(v))
+        for k, v in config_keys.items()
+        if doc_rows[k].startswith("`") and doc_rows[k] != f"`{_fmt(v)}`"
+    }
     assert not wrong, f"defaults in docs/configuration.md differ from conf/ (doc, conf): {wrong}"
 
 

@@ -27,10 +27,15 @@ def test_the_four_notebooks_exist():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_is_stored_without_outputs(path):
     nb = json.loads(path.read_text())
-    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
-             and (c.get("outputs") or c.get("execution_count") is not None)]
-    assert not dirty, (f"{path.name}: cells {dirty} hold outputs; clear them before committing "
-                       f"(jupyter nbconvert --clear-output --inplace {path.relative_to(ROOT)})")
+    dirty = [
+        i
+        for i, c in enumerate(nb["cells"])
+        if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count") is not None)
+    ]
+    assert not dirty, (
+        f"{path.name}: cells {dirty} hold outputs; clear them before committing "
+        f"(jupyter nbconvert --clear-output --inplace {path.relative_to(ROOT)})"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +45,13 @@ def kernel_name(tmp_path_factory) -> str:
 
     share = tmp_path_factory.mktemp("jupyter")
     name = "lit-titan-tests"
-    write_kernel_spec(share / "kernels" / name, overrides={"argv": [
-        sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": name})
+    write_kernel_spec(
+        share / "kernels" / name,
+        overrides={
+            "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": name,
+        },
+    )
     old = os.environ.get("JUPYTER_PATH")
     os.environ["JUPYTER_PATH"] = os.pathsep.join([str(share), *([old] if old else [])])
     yield name
@@ -77,8 +87,12 @@ def executed(kernel_name, tmp_path_factory):
 
     async def one(path: Path):
         nb = nbformat.read(path, as_version=4)
-        client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name=kernel_name,
-                                resources={"metadata": {"path": str(tmp_path_factory.mktemp(path.stem))}})
+        client = NotebookClient(
+            nb,
+            timeout=CELL_TIMEOUT_S,
+            kernel_name=kernel_name,
+            resources={"metadata": {"path": str(tmp_path_factory.mktemp(path.stem))}},
+        )
         start = time.perf_counter()
         try:
             await client.async_execute(env=env)  # raises CellExecutionError, with the cell and its traceback
@@ -103,13 +117,17 @@ def executed(kernel_name, tmp_path_factory):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, executed):
     nb, err, elapsed = executed(path)
-    print(f"{path.name}: {elapsed:.1f} s" + (" (side by side with the other one-process notebooks)"
-                                             if path.stem in SIDE_BY_SIDE else ""))
+    print(
+        f"{path.name}: {elapsed:.1f} s"
+        + (" (side by side with the other one-process notebooks)" if path.stem in SIDE_BY_SIDE else "")
+    )
     if err is not None:
         raise err
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
-    shown = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    shown = "".join(
+        o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "stream"
+    )
     assert noise(shown) == [], shown[-4000:]  # no warning a user cannot act on
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert images, f"{path.name} drew no plot"

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from lit_titan.strategies.context_parallel import balanced_positions
-
 from parity import check_case, run_case
 
 

@@ -16,10 +16,14 @@ pytestmark = pytest.mark.slow
 GLOBAL_BATCH, SEQ_LEN = 8, 32  # parity.PARITY's (helpers.TINY)
 
 
-@pytest.mark.parametrize("layout", [
-    ["cluster.devices=2", "data.micro_batch_size=1"],  # dp2 x micro 1 x accumulation 4
-    ["cluster.devices=4", "data.num_workers=2"],  # dp4, two loader workers per rank
-], ids=["dp2_micro1_accum4", "dp4_workers2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["cluster.devices=2", "data.micro_batch_size=1"],  # dp2 x micro 1 x accumulation 4
+        ["cluster.devices=4", "data.num_workers=2"],  # dp4, two loader workers per rank
+    ],
+    ids=["dp2_micro1_accum4", "dp4_workers2"],
+)
 @pytest.mark.parity
 def test_layout_matches_one_process(parity_reference, layout, tmp_path, worlds):
     check_case("data:" + "_".join(layout), parity_reference, run_layout(worlds, layout, tmp_path))

@@ -18,7 +18,6 @@ normaliser, rope scaling, tied-embedding gradient) move gradients by 1e-2 or mor
 from __future__ import annotations
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,8 +41,19 @@ CASES = {  # name: (tie_embeddings, rope_scaling, n_kv_heads); n_heads = 4
 
 
 def _args(tie: bool, scaling: RopeScaling | None, kv_heads: int = 2):
-    return get_flavor("llama3_debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, vocab_size=VOCAB,
-                      norm_eps=1e-6, rope_theta=10000.0, rope_scaling=scaling, tie_embeddings=tie, max_seq_len=256)
+    return get_flavor(
+        "llama3_debug",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=kv_heads,
+        vocab_size=VOCAB,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=scaling,
+        tie_embeddings=tie,
+        max_seq_len=256,
+    )
 
 
 def _ours(args, chunk_tokens: int = 0) -> Transformer:
@@ -96,8 +106,9 @@ def _assert_grads_equal(got: dict[str, torch.Tensor], ref: LlamaForCausalLM, rto
     errors = _grad_errors(got, ref)
     worst = max(errors, key=errors.get)
     bad = sum(e >= rtol for e in errors.values())
-    assert not bad, (f"{worst}: max relative gradient error {errors[worst]:.3g} >= {rtol:g} "
-                     f"({bad} of {len(errors)} parameters over)")
+    assert not bad, (
+        f"{worst}: max relative gradient error {errors[worst]:.3g} >= {rtol:g} ({bad} of {len(errors)} parameters over)"
+    )
 
 
 def _grads(ours: Transformer) -> dict[str, torch.Tensor]:
@@ -198,8 +209,21 @@ def test_accumulated_step_normalises_by_the_global_batch(tmp_path):
     count, or a mean over one micro-batch only all fail here."""
     tie, scaling, kv_heads = CASES["llama3.1-rope-scaled-gqa"]
     args = _args(tie, scaling, kv_heads)
-    overrides = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps",
-                                              "rope_theta", "rope_scaling", "tie_embeddings", "max_seq_len")}
+    overrides = {
+        k: getattr(args, k)
+        for k in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "vocab_size",
+            "norm_eps",
+            "rope_theta",
+            "rope_scaling",
+            "tie_embeddings",
+            "max_seq_len",
+        )
+    }
     module = PretrainModule("llama3_debug", model_overrides=overrides, seed=0, loss_chunk_tokens=0)
     reference_weights = _ours(args)
 
@@ -209,9 +233,19 @@ def test_accumulated_step_normalises_by_the_global_batch(tmp_path):
     module.load_initial_weights = sharpened_like_reference
     tokens = _tokens(4, seed=2)
     probe = _GradsBeforeStep()
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="64-true", max_steps=1, accumulate_grad_batches=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[probe], default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="64-true",
+        max_steps=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+        default_root_dir=tmp_path,
+    )
     loader = torch.utils.data.DataLoader(list(tokens), batch_size=2, shuffle=False)
     trainer.fit(module, loader)
     assert next(module.model.parameters()).dtype == torch.float64

@@ -27,8 +27,7 @@ MIN_MARGIN = 10.0
 TARGETS = {
     "cp_rope_rank0_positions": ("test_context_parallel.py::test_context_parallel_matches_single_process", "cp2"),
     "cp_allgather_backward_local": ("test_context_parallel.py::test_context_parallel_matches_single_process", "cp2"),
-    "pp_loss_scale_ignores_accumulation": ("test_pipeline.py::test_pipeline_matches_single_process",
-                                           "pp2_1F1B_accum2"),
+    "pp_loss_scale_ignores_accumulation": ("test_pipeline.py::test_pipeline_matches_single_process", "pp2_1F1B_accum2"),
     "pp_drops_last_microbatch": ("test_pipeline.py::test_pipeline_matches_single_process", "pp2_1F1B_accum2"),
     "grad_norm_misses_pp_stages": ("test_pipeline.py::test_pipeline_matches_single_process", "pp2_1F1B_accum2"),
     "grad_norm_local_shard": ("test_parallel.py::test_layout_matches_single_process", "dp2"),
@@ -36,12 +35,18 @@ TARGETS = {
     "data_order_depends_on_dp": ("test_parallel.py::test_layout_matches_single_process", "dp2"),
     "hsdp_replicate_sums": ("test_parallel.py::test_layout_matches_single_process", "hsdp2x2_accum2"),
     "tp_dropped_reduction": ("test_parallel.py::test_layout_matches_single_process", "tp2"),
-    "resume_skips_optimizer_state": ("test_parallel.py::test_resume_into_dp2_continues_the_single_process_run",
-                                     "resume_dp2"),
-    "resume_skips_data_position": ("test_parallel.py::test_resume_into_dp2_continues_the_single_process_run",
-                                   "resume_dp2"),
-    "resume_skips_lr_scheduler": ("test_parallel.py::test_resume_into_dp2_continues_the_single_process_run",
-                                  "resume_dp2"),
+    "resume_skips_optimizer_state": (
+        "test_parallel.py::test_resume_into_dp2_continues_the_single_process_run",
+        "resume_dp2",
+    ),
+    "resume_skips_data_position": (
+        "test_parallel.py::test_resume_into_dp2_continues_the_single_process_run",
+        "resume_dp2",
+    ),
+    "resume_skips_lr_scheduler": (
+        "test_parallel.py::test_resume_into_dp2_continues_the_single_process_run",
+        "resume_dp2",
+    ),
     "loss_parallel_local_logsumexp": ("test_parallel.py::test_layout_matches_single_process", "tp2"),
 }
 
@@ -51,7 +56,9 @@ TARGETS = {
 REFERENCE_TARGETS = {
     "rope_positions_off_after_document": (
         "test_hf_reference.py::test_packed_documents_equal_each_document_alone_in_transformers",
-        "test_hf_reference:packed_positions_error", "test_hf_reference:RTOL"),
+        "test_hf_reference:packed_positions_error",
+        "test_hf_reference:RTOL",
+    ),
 }
 
 
@@ -71,17 +78,35 @@ def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, wo
     for name, (test, case) in TARGETS.items():
         report = measure(case, parity_reference, run_case(worlds, case, tmp_path / name, parity_reference, mutant=name))
         ratio, what = report.margin(TOL)
-        rows.append({"mutant": name, "bug": MUTANTS[name].bug, "where": MUTANTS[name].where,
-                     "test": f"{test}[{case}]", "margin": ratio, "effect": what})
+        rows.append(
+            {
+                "mutant": name,
+                "bug": MUTANTS[name].bug,
+                "where": MUTANTS[name].where,
+                "test": f"{test}[{case}]",
+                "margin": ratio,
+                "effect": what,
+            }
+        )
     for name, (test, measure_error, tolerance) in REFERENCE_TARGETS.items():
         with applied(name):
             err, where = _resolve(measure_error)()
         tol = _resolve(tolerance)
-        rows.append({"mutant": name, "bug": MUTANTS[name].bug, "where": MUTANTS[name].where, "test": test,
-                     "margin": err / tol, "effect": f"grads {where}: {err:.3g} (tolerance {tol:.1g})"})
+        rows.append(
+            {
+                "mutant": name,
+                "bug": MUTANTS[name].bug,
+                "where": MUTANTS[name].where,
+                "test": test,
+                "margin": err / tol,
+                "effect": f"grads {where}: {err:.3g} (tolerance {tol:.1g})",
+            }
+        )
     table = ["| mutant | bug | caught by | effect (tolerance) | margin |", "| --- | --- | --- | --- | --- |"]
-    table += [f"| `{r['mutant']}` | {r['bug']} (`{r['where']}`) | `{r['test']}` | {r['effect']} | "
-              f"{r['margin']:.3g}x |" for r in rows]
+    table += [
+        f"| `{r['mutant']}` | {r['bug']} (`{r['where']}`) | `{r['test']}` | {r['effect']} | {r['margin']:.3g}x |"
+        for r in rows
+    ]
     print("\n".join(table))
     if os.environ.get("MUTANT_TABLE"):
         with open(os.environ["MUTANT_TABLE"], "w") as f:

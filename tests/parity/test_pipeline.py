@@ -3,12 +3,11 @@
 import pytest
 import torch
 
+from helpers import TINY, assert_losses_match, losses, read_metrics, run_cli
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.parallelize import pipeline_units
 from lit_titan.strategies.pipeline import ZERO_BUBBLE, PipelineConfig, build_rank_model, split_units, stage_ids
 from lit_titan.strategies.settings import PP_SCHEDULES as SCHEDULES
-
-from helpers import TINY, assert_losses_match, losses, read_metrics, run_cli
 from parity import SIX_LAYERS, check_case, run_case, run_reference
 
 STEPS = 5
@@ -24,8 +23,12 @@ def _meta_model(n_layers=6):
 def test_balanced_split_counts_embedding_and_head_as_layers():
     units = pipeline_units(_meta_model(6))  # 8 units
     stages = split_units(units, 4)
-    assert stages == [["tok_embeddings", "layers.0"], ["layers.1", "layers.2"], ["layers.3", "layers.4"],
-                      ["layers.5", "norm", "output"]]
+    assert stages == [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "layers.2"],
+        ["layers.3", "layers.4"],
+        ["layers.5", "norm", "output"],
+    ]
     assert split_units(units, 3)[0] == ["tok_embeddings", "layers.0", "layers.1"]
 
 
@@ -70,12 +73,23 @@ def test_rank_model_keeps_original_names_and_views_share_parameters():
 # with gradient accumulation; pp2 x tp2 and a 3-D layout. Gradients, the clip norm over the stages and
 # the weights against one process (parity.TOL): a loss comparison under AdamW cannot see a pipeline
 # loss scale that forgets accumulation (Adam's m/sqrt(v) cancels a uniform scale); gradients can.
-PARITY_CASES = ["pp2_1F1B_accum2", "pp2xdp2_GPipe", "pp2xdp2_1F1B", "pp2xdp2_Interleaved1F1B_accum2",
-                "pp2xdp2_LoopedBFS", "pp2xtp2", "pp2xdp2xtp2_Interleaved1F1B"]
+PARITY_CASES = [
+    "pp2_1F1B_accum2",
+    "pp2xdp2_GPipe",
+    "pp2xdp2_1F1B",
+    "pp2xdp2_Interleaved1F1B_accum2",
+    "pp2xdp2_LoopedBFS",
+    "pp2xtp2",
+    "pp2xdp2xtp2_Interleaved1F1B",
+]
 # The zero-bubble schedules with FSDP (trap 1 moves one stage's gradients by ~1e-3 or drops them),
 # against a six-layer reference.
-ZERO_BUBBLE_CASES = ["pp2xdp2_InterleavedZeroBubble", "pp2xdp2_ZBVZeroBubble", "pp2xdp2_DualPipeV",
-                     "pp2_ZBVZeroBubble_accum2"]
+ZERO_BUBBLE_CASES = [
+    "pp2xdp2_InterleavedZeroBubble",
+    "pp2xdp2_ZBVZeroBubble",
+    "pp2xdp2_DualPipeV",
+    "pp2_ZBVZeroBubble_accum2",
+]
 assert {c.split("_")[1] for c in ZERO_BUBBLE_CASES} == set(ZERO_BUBBLE)
 # every schedule runs (1F1B also in pp2 x tp2, whose case name does not say it)
 assert {c.split("_")[1] for c in PARITY_CASES + ZERO_BUBBLE_CASES if "_" in c} == set(SCHEDULES)
@@ -104,8 +118,9 @@ def test_zero_bubble_schedules_match_single_process(case, six_layer_reference, t
 @pytest.mark.parity
 def test_checkpoint_from_pp2xdp2_resumes_under_dp2(tmp_path, worlds):
     steps = [*TINY, "trainer.max_steps=6", "seed=0", "precision=32-true", "checkpoint.every_n_steps=3"]
-    worlds.train([*steps, "cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
-                 tmp_path / "pp")
+    worlds.train(
+        [*steps, "cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"], tmp_path / "pp"
+    )
     ckpt = tmp_path / "pp" / "checkpoints" / "step-000003"
     worlds.train([*steps, "cluster.devices=2", f"resume={ckpt}"], tmp_path / "dp")
     assert [int(r["step"]) for r in read_metrics(tmp_path / "dp")] == [3, 4, 5]
@@ -113,7 +128,6 @@ def test_checkpoint_from_pp2xdp2_resumes_under_dp2(tmp_path, worlds):
 
 
 def test_microbatches_must_divide_the_rank_batch(tmp_path):
-    proc = run_cli([*COMMON, "cluster.devices=2", "parallel.pp=2", "parallel.pp_microbatches=3"], tmp_path,
-                   check=False)
+    proc = run_cli([*COMMON, "cluster.devices=2", "parallel.pp=2", "parallel.pp_microbatches=3"], tmp_path, check=False)
     assert proc.returncode == 2 and "parallel.pp_microbatches" in proc.stderr
     assert "Traceback" not in proc.stderr

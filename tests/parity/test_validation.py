@@ -27,11 +27,15 @@ def reference(tmp_path_factory, worlds):
     return run_dump(worlds, [*PARITY, *VAL, "cluster.devices=1"], tmp_path_factory.mktemp("val-single"))
 
 
-@pytest.mark.parametrize("layout", [
-    ["cluster.devices=2", "parallel.pp=2"],
-    ["cluster.devices=2", "parallel.cp=2"],
-    ["cluster.devices=4", "parallel.pp=2", "parallel.tp=2"],
-], ids=["pp2", "cp2", "pp2xtp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["cluster.devices=2", "parallel.pp=2"],
+        ["cluster.devices=2", "parallel.cp=2"],
+        ["cluster.devices=4", "parallel.pp=2", "parallel.tp=2"],
+    ],
+    ids=["pp2", "cp2", "pp2xtp2"],
+)
 @pytest.mark.parity
 def test_validation_loss_matches_single_process(layout, reference, tmp_path, worlds):
     want = _val_losses(reference)

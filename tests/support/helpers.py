@@ -14,20 +14,46 @@ import torch
 
 # A model small enough that an 8-process run takes seconds on 2 cores.
 TINY = [
-    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512",
-    "data.seq_len=32", "data.max_bytes=300000", "data.global_batch_size=8",
-    "trainer.enable_progress_bar=false", "optim.warmup_steps=2", "cluster.timeout_s=180",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.vocab_size=512",
+    "data.seq_len=32",
+    "data.max_bytes=300000",
+    "data.global_batch_size=8",
+    "trainer.enable_progress_bar=false",
+    "optim.warmup_steps=2",
+    "cluster.timeout_s=180",
 ]
 
 
 # Set in *this* process by in-process Lightning fits (MASTER_PORT ...) or by our own entry point:
 # inherited, they would pin every later job to one port and one run directory.
-_JOB_ENV_DROP = ("LIT_TITAN_RUN_DIR", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-                 "GROUP_RANK", "LOCAL_WORLD_SIZE", "GLOBAL_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+_JOB_ENV_DROP = (
+    "LIT_TITAN_RUN_DIR",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GLOBAL_RANK",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+)
 
 
-def run_job(cmd: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | str | None = None,
-            allow_noise: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_job(
+    cmd: list[str],
+    *,
+    timeout: int = 600,
+    env: dict | None = None,
+    cwd: Path | str | None = None,
+    allow_noise: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
     """Run a (possibly multi-process) job in a clean distributed environment and its own session.
 
     On a timeout the whole job (Lightning's child ranks too) is killed; otherwise a rank left
@@ -46,8 +72,9 @@ class Job:
         drop = _JOB_ENV_DROP if env is not None else (*_JOB_ENV_DROP, "HYDRA_FULL_ERROR")
         job_env = {k: v for k, v in (env or os.environ).items() if k not in drop}
         self.cmd = cmd
-        self._popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env,
-                                       cwd=cwd, start_new_session=True)
+        self._popen = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env, cwd=cwd, start_new_session=True
+        )
         self._result: subprocess.CompletedProcess | None = None
 
     def wait(self, timeout: int = 600, *, allow_noise: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -61,22 +88,29 @@ class Job:
             popen = self._popen
             try:
                 out, err = popen.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as timed_out:
                 _kill_group(popen.pid)
                 out, err = popen.communicate()
-                raise AssertionError(f"{' '.join(self.cmd)} timed out after {timeout}s:\n{out[-3000:]}\n{err[-6000:]}")
+                raise AssertionError(
+                    f"{' '.join(self.cmd)} timed out after {timeout}s:\n{out[-3000:]}\n{err[-6000:]}"
+                ) from timed_out
             finally:
                 _kill_group(popen.pid)
             self._result = subprocess.CompletedProcess(self.cmd, popen.returncode, out, err)
         if self._result.returncode == 0:
-            found = [line for line in noise(self._result.stdout + "\n" + self._result.stderr)
-                     if not any(a in line for a in allow_noise)]
+            found = [
+                line
+                for line in noise(self._result.stdout + "\n" + self._result.stderr)
+                if not any(a in line for a in allow_noise)
+            ]
             if found:
                 raise AssertionError(
                     f"{' '.join(self.cmd)} succeeded but printed {len(found)} unexpected warning or traceback "
                     "line(s); fix the cause, or add a dependency's message a user cannot act on to "
-                    "lit_titan/known_warnings.py:\n" + "\n".join(found[:40])
-                    + f"\n--- stdout ---\n{self._result.stdout[-3000:]}\n--- stderr ---\n{self._result.stderr[-6000:]}")
+                    "lit_titan/known_warnings.py:\n"
+                    + "\n".join(found[:40])
+                    + f"\n--- stdout ---\n{self._result.stdout[-3000:]}\n--- stderr ---\n{self._result.stderr[-6000:]}"
+                )
         return self._result
 
 
@@ -89,13 +123,22 @@ def start_job(cmd: list[str], *, env: dict | None = None, cwd: Path | str | None
     return Job(cmd, env, cwd)
 
 
-def run_cli(overrides: list[str], run_dir: Path, *, check: bool = True, timeout: int = 600,
-            module: str = "lit_titan.train", allow_noise: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_cli(
+    overrides: list[str],
+    run_dir: Path,
+    *,
+    check: bool = True,
+    timeout: int = 600,
+    module: str = "lit_titan.train",
+    allow_noise: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
     """``python -m MODULE OVERRIDES run_dir=RUN_DIR``; a run that succeeds prints no warning (``Job.wait``)."""
     cmd = [sys.executable, "-m", module, *overrides, f"run_dir={run_dir}"]
     proc = run_job(cmd, timeout=timeout, allow_noise=allow_noise)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 

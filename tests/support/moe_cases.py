@@ -15,9 +15,19 @@ VOCAB, SEQ, BATCH = 512, 32, 2
 
 def tiny_args(**moe):
     # 3 layers, the middle one dense (HF's mlp_only_layers); head_dim apart from dim // n_heads as in Qwen3
-    return get_flavor("qwen3_moe_debug", dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=VOCAB,
-                      ffn_dim=96, max_seq_len=128, mlp_only_layers=[1],
-                      moe={**dict(num_experts=8, top_k=2, hidden_dim=32, aux_loss_coef=0.05), **moe})
+    return get_flavor(
+        "qwen3_moe_debug",
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        vocab_size=VOCAB,
+        ffn_dim=96,
+        max_seq_len=128,
+        mlp_only_layers=[1],
+        moe={**dict(num_experts=8, top_k=2, hidden_dim=32, aux_loss_coef=0.05), **moe},
+    )
 
 
 def build(args, dtype=torch.float64, seed=0) -> Qwen3MoE:
@@ -74,7 +84,7 @@ def ep_gradient_case(steps: int = 3) -> dict[str, float]:
             ref = ref_grads[name]
             if ".moe.experts." in name:
                 assert p.shape[0] == local
-                ref = ref[rank * local:(rank + 1) * local]
+                ref = ref[rank * local : (rank + 1) * local]
             worst["grad"] = max(worst["grad"], rel_err(p.grad, ref))
         for model, optimizer, group in ((reference, opt_ref, None), (ours, opt, dist.group.WORLD)):
             optimizer.step()
@@ -85,5 +95,8 @@ def ep_gradient_case(steps: int = 3) -> dict[str, float]:
     assert any(m.expert_bias.abs().sum() > 0 for m in ours.moe_layers())
     result = torch.tensor([worst["grad"], worst["bias"]], dtype=torch.float64)
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
-    return {"grad": result[0].item(), "bias": result[1].item(),
-            "routing_changed": (routes[0] != routes[-1]).any(-1).float().mean().item()}
+    return {
+        "grad": result[0].item(),
+        "bias": result[1].item(),
+        "routing_changed": (routes[0] != routes[-1]).any(-1).float().mean().item(),
+    }

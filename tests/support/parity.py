@@ -29,6 +29,7 @@ from typing import Any
 
 import lightning as L
 import torch
+
 from helpers import TINY
 
 # Wrappers that activation checkpointing / compile insert into parameter names.
@@ -79,8 +80,9 @@ class ParityDump(L.Callback):
         step = trainer.global_step
         if step not in self.steps:
             return
-        grads = {single_device_name(n): _full(p.grad) for n, p in pl_module.model.named_parameters()
-                 if p.grad is not None}
+        grads = {
+            single_device_name(n): _full(p.grad) for n, p in pl_module.model.named_parameters() if p.grad is not None
+        }
         self._pending = (step, _gather_to_rank0(grads))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -93,8 +95,9 @@ class ParityDump(L.Callback):
         norm = float(_full(norm)) if norm is not None else math.nan
         if trainer.global_rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            torch.save({"step": step, "grads": grads, "norm": norm, "params": params},
-                       self.out_dir / f"step-{step:06d}.pt")
+            torch.save(
+                {"step": step, "grads": grads, "norm": norm, "params": params}, self.out_dir / f"step-{step:06d}.pt"
+            )
 
 
 def train_case(argv: list[str], out_dir: str, steps: list[int], mutant: str | None = None) -> dict[str, Any]:
@@ -103,11 +106,11 @@ def train_case(argv: list[str], out_dir: str, steps: list[int], mutant: str | No
 
     from lit_titan.cli.hydra_app import run_app
     from lit_titan.job.run import train
-
     from mutants import applied
 
-    print(f"$ python -m lit_titan.train {shlex.join(argv)}  # parity dump at {sorted(steps)}, mutant={mutant}",
-          flush=True)
+    print(
+        f"$ python -m lit_titan.train {shlex.join(argv)}  # parity dump at {sorted(steps)}, mutant={mutant}", flush=True
+    )
     with applied(mutant):
         return run_app(argv, partial(train, callbacks=[ParityDump(out_dir, steps)]))
 
@@ -152,7 +155,9 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def load_dumps(run_dir: Path | str) -> dict[int, dict[str, Any]]:
-    return {int(p.stem.split("-")[1]): torch.load(p, weights_only=True) for p in sorted(Path(run_dir).glob("step-*.pt"))}
+    return {
+        int(p.stem.split("-")[1]): torch.load(p, weights_only=True) for p in sorted(Path(run_dir).glob("step-*.pt"))
+    }
 
 
 def compare(ref_dir: Path | str, got_dir: Path | str, steps: list[int] | None = None) -> Report:
@@ -188,8 +193,15 @@ def norms(run_dir: Path | str) -> dict[int, float]:
 STEPS = 8
 CLIP = 0.3
 MIN_LOSS_DROP = 0.5  # the reference must learn at least this much (measured: 0.72)
-PARITY = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "optim.lr=1e-2",
-          "optim.warmup_steps=2", f"trainer.gradient_clip_val={CLIP}"]
+PARITY = [
+    *TINY,
+    f"trainer.max_steps={STEPS}",
+    "seed=0",
+    "precision=32-true",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=2",
+    f"trainer.gradient_clip_val={CLIP}",
+]
 DUMP_STEPS = [0, 4, STEPS - 1]
 RESUME_STEP = 4  # the reference saves a checkpoint here; resume cases continue from it
 
@@ -217,40 +229,81 @@ CASES: dict[str, list[str]] = {
     "pp2_1F1B_accum2": ["cluster.devices=2", "parallel.pp=2", "data.micro_batch_size=4"],
     "pp2xdp2_GPipe": ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=GPipe"],
     "pp2xdp2_1F1B": ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=1F1B"],
-    "pp2xdp2_Interleaved1F1B_accum2": ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B",
-                                       "data.micro_batch_size=2", "parallel.pp_microbatches=2"],
+    "pp2xdp2_Interleaved1F1B_accum2": [
+        "cluster.devices=4",
+        "parallel.pp=2",
+        "parallel.pp_schedule=Interleaved1F1B",
+        "data.micro_batch_size=2",
+        "parallel.pp_microbatches=2",
+    ],
     "pp2xdp2_LoopedBFS": ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=LoopedBFS"],
     "pp2xtp2": ["cluster.devices=4", "parallel.pp=2", "parallel.tp=2"],
-    "pp2xdp2xtp2_Interleaved1F1B": ["cluster.devices=8", "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
-                                    "parallel.pp_schedule=Interleaved1F1B"],
+    "pp2xdp2xtp2_Interleaved1F1B": [
+        "cluster.devices=8",
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.tp=2",
+        "parallel.pp_schedule=Interleaved1F1B",
+    ],
     # zero-bubble schedules x FSDP (one stage's gradients silently wrong when FSDP reshards after
     # forward): six layers give each of the 4 stages two FSDP units, so a stage has a unit that could
     # reshard after forward. Their reference: PARITY + SIX_LAYERS.
-    "pp2xdp2_InterleavedZeroBubble": [*SIX_LAYERS, "cluster.devices=4", "parallel.pp=2", "parallel.dp_shard=2",
-                                      "parallel.pp_schedule=InterleavedZeroBubble"],
-    "pp2xdp2_ZBVZeroBubble": [*SIX_LAYERS, "cluster.devices=4", "parallel.pp=2", "parallel.dp_shard=2",
-                              "parallel.pp_schedule=ZBVZeroBubble"],
-    "pp2xdp2_DualPipeV": [*SIX_LAYERS, "cluster.devices=4", "parallel.pp=2", "parallel.dp_shard=2",
-                          "parallel.pp_schedule=DualPipeV"],
-    "pp2_ZBVZeroBubble_accum2": [*SIX_LAYERS, "cluster.devices=2", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble",
-                                 "data.micro_batch_size=4"],
+    "pp2xdp2_InterleavedZeroBubble": [
+        *SIX_LAYERS,
+        "cluster.devices=4",
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.pp_schedule=InterleavedZeroBubble",
+    ],
+    "pp2xdp2_ZBVZeroBubble": [
+        *SIX_LAYERS,
+        "cluster.devices=4",
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.pp_schedule=ZBVZeroBubble",
+    ],
+    "pp2xdp2_DualPipeV": [
+        *SIX_LAYERS,
+        "cluster.devices=4",
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.pp_schedule=DualPipeV",
+    ],
+    "pp2_ZBVZeroBubble_accum2": [
+        *SIX_LAYERS,
+        "cluster.devices=2",
+        "parallel.pp=2",
+        "parallel.pp_schedule=ZBVZeroBubble",
+        "data.micro_batch_size=4",
+    ],
     # context parallel (tests/parity/test_context_parallel.py)
     "cp2": ["cluster.devices=2", "parallel.cp=2"],
     "cp4": ["cluster.devices=4", "parallel.cp=4"],
     "cp2xdp2_accum2": ["cluster.devices=4", "parallel.cp=2", "parallel.dp_shard=2", "data.micro_batch_size=2"],
     "cp2xtp2": ["cluster.devices=4", "parallel.cp=2", "parallel.tp=2"],
     "pp2xcp2xtp2": ["cluster.devices=8", "parallel.pp=2", "parallel.cp=2", "parallel.tp=2"],
-    "dp2xcp2xpp2_Interleaved1F1B": ["cluster.devices=8", "parallel.pp=2", "parallel.cp=2", "parallel.dp_shard=2",
-                                    "parallel.pp_schedule=Interleaved1F1B"],
+    "dp2xcp2xpp2_Interleaved1F1B": [
+        "cluster.devices=8",
+        "parallel.pp=2",
+        "parallel.cp=2",
+        "parallel.dp_shard=2",
+        "parallel.pp_schedule=Interleaved1F1B",
+    ],
 }
 
 
 def run_reference(worlds, run_dir: Path, extra: list[str] = ()) -> Path:
     """The one-process run every case compares with; it also saves the checkpoint resume cases start from."""
-    overrides = [*PARITY, *extra, "cluster.devices=1", f"checkpoint.every_n_steps={RESUME_STEP}",
-                 "checkpoint.keep_last=0"]
-    worlds.run(1, "parity:train_case", [*overrides, f"run_dir={run_dir}"], str(run_dir / "dump"), DUMP_STEPS,
-               timeout=600)
+    overrides = [
+        *PARITY,
+        *extra,
+        "cluster.devices=1",
+        f"checkpoint.every_n_steps={RESUME_STEP}",
+        "checkpoint.keep_last=0",
+    ]
+    worlds.run(
+        1, "parity:train_case", [*overrides, f"run_dir={run_dir}"], str(run_dir / "dump"), DUMP_STEPS, timeout=600
+    )
     return run_dir
 
 
@@ -267,8 +320,15 @@ def run_dump(worlds, overrides: list[str], run_dir: Path, mutant: str | None = N
 
     resumed = any(o.startswith("resume=") for o in overrides)
     steps = [s for s in DUMP_STEPS if s >= RESUME_STEP] if resumed else DUMP_STEPS
-    worlds.run(devices_of(overrides), "parity:train_case", [*overrides, f"run_dir={run_dir}"], str(run_dir / "dump"),
-               steps, mutant, timeout=600)
+    worlds.run(
+        devices_of(overrides),
+        "parity:train_case",
+        [*overrides, f"run_dir={run_dir}"],
+        str(run_dir / "dump"),
+        steps,
+        mutant,
+        timeout=600,
+    )
     return run_dir
 
 
@@ -303,8 +363,9 @@ def check_case(case: str, reference: Path, got: Path, tol: Tolerance = TOL) -> R
     return report
 
 
-def run_layout(worlds, overrides: list[str], run_dir: Path, mutant: str | None = None,
-               steps: list[int] = DUMP_STEPS) -> Path:
+def run_layout(
+    worlds, overrides: list[str], run_dir: Path, mutant: str | None = None, steps: list[int] = DUMP_STEPS
+) -> Path:
     """A run of ``PARITY + overrides`` with the dump, for a file whose cases are not in ``CASES`` (its own
     model setting, probe or reference); ``devices_of(overrides)`` picks the world."""
     from world import devices_of

@@ -17,9 +17,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -34,13 +34,21 @@ class S3Server:
 
     def storage_options(self) -> dict[str, str]:
         """boto3 client keywords, as ``data.storage_options`` carries them."""
-        return {"endpoint_url": self.endpoint_url, "aws_access_key_id": self.access_key,
-                "aws_secret_access_key": self.secret_key, "region_name": self.region}
+        return {
+            "endpoint_url": self.endpoint_url,
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+            "region_name": self.region,
+        }
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables that point a process at this server."""
-        return {"AWS_ENDPOINT_URL": self.endpoint_url, "AWS_ACCESS_KEY_ID": self.access_key,
-                "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_DEFAULT_REGION": self.region}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
 
     def url(self, prefix: str | None = None) -> str:
         """``s3://BUCKET/PREFIX`` with a fresh unique prefix when none is given (tests do not collide)."""
@@ -73,8 +81,12 @@ def start_moto(log_path: Path, tries: int = 3, env: dict[str, str] | None = None
     for _ in range(tries):
         port = _free_port()
         log = open(log_path, "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         log.close()
         if _wait_listening(proc, port, timeout_s=60):
             return proc, f"http://127.0.0.1:{port}"

@@ -35,8 +35,15 @@ from typing import Any
 
 # Variables a case may set in its process (Lightning's seeds, our run directory, Lightning's
 # environment teardown deletes WORLD_SIZE): restored to the world's own before each case.
-_CASE_ENV_DROP = ("LIT_TITAN_RUN_DIR", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID",
-                  "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK", "GLOBAL_RANK")
+_CASE_ENV_DROP = (
+    "LIT_TITAN_RUN_DIR",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "GROUP_RANK",
+    "GLOBAL_RANK",
+)
 _READY_TIMEOUT_S = 300
 # Every fit in a world creates sub-groups (the mesh's dims and flattened views, the checkpoint
 # writer's, the pre-flight's) that outlive it: the world owns the default group, so the strategy
@@ -83,9 +90,14 @@ class World:
         self._inboxes = [ctx.Queue() for _ in range(size)]
         port = _free_port()
         # Not daemonic: a case may start processes of its own (loader workers, DCP's process mode).
-        self._procs = [ctx.Process(target=_worker, name=f"world{size}-rank{rank}",
-                                   args=(rank, size, port, timeout_s, self.log_dir, self._inboxes[rank], self._results))
-                       for rank in range(size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                name=f"world{size}-rank{rank}",
+                args=(rank, size, port, timeout_s, self.log_dir, self._inboxes[rank], self._results),
+            )
+            for rank in range(size)
+        ]
         for p in self._procs:
             p.start()
         self._cases = 0
@@ -126,13 +138,18 @@ class World:
 
         found = []
         for log in sorted(self.log_dir.glob(f"{case}-rank*.log")):
-            lines = [line for line in noise(log.read_text(errors="replace"))
-                     if not line.startswith("$ ") and not any(a in line for a in allow)]  # "$ ": the case's echo
+            lines = [
+                line
+                for line in noise(log.read_text(errors="replace"))
+                if not line.startswith("$ ") and not any(a in line for a in allow)
+            ]  # "$ ": the case's echo
             found += [f"{log.name}: {line}" for line in lines]
         if found:  # the world itself is fine: it stays up for the next case
-            raise CaseFailed(f"{case} in a {self.size}-process world printed {len(found)} unexpected warning or "
-                             "traceback line(s); fix the cause, or add a dependency's message a user cannot act on "
-                             "to lit_titan/known_warnings.py:\n" + "\n".join(found[:40]) + f"\n{self._tail_logs(case)}")
+            raise CaseFailed(
+                f"{case} in a {self.size}-process world printed {len(found)} unexpected warning or "
+                "traceback line(s); fix the cause, or add a dependency's message a user cannot act on "
+                "to lit_titan/known_warnings.py:\n" + "\n".join(found[:40]) + f"\n{self._tail_logs(case)}"
+            )
 
     def _collect(self, case: str, timeout: float) -> dict[int, tuple[bool, Any]]:
         replies: dict[int, tuple[bool, Any]] = {}
@@ -144,8 +161,10 @@ class World:
                 if not self.alive or time.monotonic() > deadline:
                     why = "a rank died" if not self.alive else f"no result within {timeout:.0f}s"
                     self.close()
-                    raise CaseFailed(f"{case} in a {self.size}-process world: {why}; ranks that answered: "
-                                     f"{sorted(replies)}\n{self._tail_logs(case)}")
+                    raise CaseFailed(
+                        f"{case} in a {self.size}-process world: {why}; ranks that answered: "
+                        f"{sorted(replies)}\n{self._tail_logs(case)}"
+                    ) from None
                 continue
             if got_case != case:
                 continue  # a late answer of an earlier, abandoned case
@@ -191,16 +210,19 @@ class Worlds:
             world = self._worlds[size] = World(size)
         return world
 
-    def run(self, size: int, target: str, *args: Any, timeout: float = 600,
-            allow_noise: tuple[str, ...] = ()) -> CaseResult:
+    def run(
+        self, size: int, target: str, *args: Any, timeout: float = 600, allow_noise: tuple[str, ...] = ()
+    ) -> CaseResult:
         return self.get(size).run(target, *args, timeout=timeout, allow_noise=allow_noise)
 
-    def train(self, overrides: list[str], run_dir: Path | str, *, timeout: float = 600,
-              allow_noise: tuple[str, ...] = ()) -> CaseResult:
+    def train(
+        self, overrides: list[str], run_dir: Path | str, *, timeout: float = 600, allow_noise: tuple[str, ...] = ()
+    ) -> CaseResult:
         """``python -m lit_titan.train OVERRIDES run_dir=RUN_DIR`` in the world of ``cluster.devices`` ranks."""
         size = devices_of(overrides)
-        return self.run(size, "world:train_case", [*overrides, f"run_dir={run_dir}"], timeout=timeout,
-                        allow_noise=allow_noise)
+        return self.run(
+            size, "world:train_case", [*overrides, f"run_dir={run_dir}"], timeout=timeout, allow_noise=allow_noise
+        )
 
     def close(self) -> None:
         for world in self._worlds.values():
@@ -227,14 +249,28 @@ def train_case(argv: list[str]) -> dict[str, Any]:
 
 
 # ---- the worker -----------------------------------------------------------------------------------
-def _worker(rank: int, size: int, port: int, timeout_s: int, log_dir: Path, inbox: mp.Queue,
-            results: mp.Queue) -> None:
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-                "LOCAL_WORLD_SIZE", *_CASE_ENV_DROP):
+def _worker(rank: int, size: int, port: int, timeout_s: int, log_dir: Path, inbox: mp.Queue, results: mp.Queue) -> None:
+    for key in (
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+        "RANK",
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "LOCAL_WORLD_SIZE",
+        *_CASE_ENV_DROP,
+    ):
         os.environ.pop(key, None)
     # Lightning's LightningEnvironment takes LOCAL_RANK as "launched externally" (no re-spawn).
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(size), RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        LOCAL_WORLD_SIZE=str(size),
+    )
     from datetime import timedelta
 
     import torch

@@ -27,14 +27,14 @@ def _imports(path: Path) -> set[str]:
 
 def _library() -> list[Path]:
     """lit_titan/ without its commands: cli/ and the launchers' module, train.py."""
-    return [p for p in PACKAGE.rglob("*.py")
-            if p.relative_to(PACKAGE).parts[0] != "cli" and p != PACKAGE / "train.py"]
+    return [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != "cli" and p != PACKAGE / "train.py"]
 
 
 def test_nothing_in_the_library_imports_a_command():
     entry_points = ("lit_titan.cli", "lit_titan.train")
-    offenders = {str(p.relative_to(PACKAGE)): sorted(m for m in _imports(p) if m.startswith(entry_points))
-                 for p in _library()}
+    offenders = {
+        str(p.relative_to(PACKAGE)): sorted(m for m in _imports(p) if m.startswith(entry_points)) for p in _library()
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 

@@ -92,34 +92,70 @@ class ModelArgs:
 FLAVORS: dict[str, ModelArgs] = {
     # Small enough to train on two CPU cores; same architecture as the real sizes.
     "llama3_debug": ModelArgs(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=4096, multiple_of=256,
-        rope_theta=500000.0, max_seq_len=2048,
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=4096,
+        multiple_of=256,
+        rope_theta=500000.0,
+        max_seq_len=2048,
     ),
     "llama3_8b": ModelArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
     ),
     "llama3_70b": ModelArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
     ),
     "llama3_405b": ModelArgs(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
     ),
 }
 
 
 # Llama 3.2 (text): rotary scaling factor 32 from 8K, tied embeddings (Meta's params.json / HF config).
-_LLAMA32_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                            original_max_position_embeddings=8192)
-FLAVORS.update({
-    "llama3_2_1b": ModelArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-        rope_scaling=_LLAMA32_ROPE, tie_embeddings=True,
-    ),
-    "llama3_2_3b": ModelArgs(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
-        rope_scaling=_LLAMA32_ROPE, tie_embeddings=True,
-    ),
-})
+_LLAMA32_ROPE = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+FLAVORS.update(
+    {
+        "llama3_2_1b": ModelArgs(
+            dim=2048,
+            n_layers=16,
+            n_heads=32,
+            n_kv_heads=8,
+            ffn_dim_multiplier=1.5,
+            multiple_of=256,
+            rope_scaling=_LLAMA32_ROPE,
+            tie_embeddings=True,
+        ),
+        "llama3_2_3b": ModelArgs(
+            dim=3072,
+            n_layers=28,
+            n_heads=24,
+            n_kv_heads=8,
+            ffn_dim_multiplier=1.0,
+            multiple_of=256,
+            rope_scaling=_LLAMA32_ROPE,
+            tie_embeddings=True,
+        ),
+    }
+)
 
 
 def get_flavor(name: str, **overrides: Any) -> ModelArgs:

@@ -35,8 +35,9 @@ def window_mask(seq_len: int, window: int | None, device: torch.device) -> Tenso
     return causal if window is None else causal.triu(-(window - 1))
 
 
-def attention_mask(backend: str, documents: Tensor | None, seq_len: int, device: torch.device,
-                   window: int | None = None) -> Any:
+def attention_mask(
+    backend: str, documents: Tensor | None, seq_len: int, device: torch.device, window: int | None = None
+) -> Any:
     """None (plain causal SDPA), a dense bool mask ([b, 1, s, s] or [s, s]) for SDPA, or a flex ``BlockMask``.
 
     ``documents`` [b, s]: each token's document index; a query sees keys at or before it in the
@@ -55,6 +56,7 @@ def attention_mask(backend: str, documents: Tensor | None, seq_len: int, device:
         return (q >= kv) if window is None else (q >= kv) & (q - kv < window)
 
     if documents is None:
+
         def mask_mod(b, h, q, kv):
             return near(q, kv)
 
@@ -63,8 +65,7 @@ def attention_mask(backend: str, documents: Tensor | None, seq_len: int, device:
     def doc_mask_mod(b, h, q, kv):
         return (documents[b, q] == documents[b, kv]) & near(q, kv)
 
-    return create_block_mask(doc_mask_mod, B=documents.shape[0], H=None, Q_LEN=seq_len, KV_LEN=seq_len,
-                             device=device)
+    return create_block_mask(doc_mask_mod, B=documents.shape[0], H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Any = None) -> Tensor:

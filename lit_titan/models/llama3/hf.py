@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,9 +127,13 @@ def hf_config(args: ModelArgs, dtype: torch.dtype = torch.float32) -> dict[str, 
     rope_scaling = None
     if args.rope_scaling is not None:
         s = args.rope_scaling
-        rope_scaling = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                        "high_freq_factor": s.high_freq_factor,
-                        "original_max_position_embeddings": s.original_max_position_embeddings}
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -166,9 +170,16 @@ def _hf_rope(config: dict[str, Any]) -> tuple[float | None, RopeScaling | None, 
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind != "llama3":
         return theta, None, str(kind)
-    return theta, RopeScaling(factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
-                              high_freq_factor=float(scaling["high_freq_factor"]),
-                              original_max_position_embeddings=int(scaling["original_max_position_embeddings"])), None
+    return (
+        theta,
+        RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        ),
+        None,
+    )
 
 
 def _ffn_overrides(dim: int, intermediate: int, args: ModelArgs) -> dict[str, Any]:
@@ -193,11 +204,20 @@ def config_mismatches(config: dict[str, Any], args: ModelArgs) -> tuple[dict[str
     fixes: dict[str, Any] = {}
     problems: list[str] = []
     heads = int(config["num_attention_heads"])
-    wanted = {"vocab_size": int(config["vocab_size"]), "dim": int(config["hidden_size"]),
-              "n_layers": int(config["num_hidden_layers"]), "n_heads": heads,
-              "n_kv_heads": int(config.get("num_key_value_heads") or heads)}
-    current = {"vocab_size": args.vocab_size, "dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
-               "n_kv_heads": args.kv_heads}
+    wanted = {
+        "vocab_size": int(config["vocab_size"]),
+        "dim": int(config["hidden_size"]),
+        "n_layers": int(config["num_hidden_layers"]),
+        "n_heads": heads,
+        "n_kv_heads": int(config.get("num_key_value_heads") or heads),
+    }
+    current = {
+        "vocab_size": args.vocab_size,
+        "dim": args.dim,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.kv_heads,
+    }
     fixes.update({k: v for k, v in wanted.items() if current[k] != v})
     # A tied file loads into an untied model (the head starts as a copy of the embedding), but one
     # weight cannot hold a file's two different ones.
@@ -233,8 +253,9 @@ def _numeric_fixes(config: dict[str, Any], args: ModelArgs) -> tuple[dict[str, A
     if unsupported:
         return fixes, [f"rope type {unsupported!r} (only Llama 3's 'llama3' scaling or none is supported)"]
     if scaling != args.rope_scaling:
-        fixes["rope_scaling"] = "null" if scaling is None else (
-            "{" + ", ".join(f"{k}: {v}" for k, v in asdict(scaling).items()) + "}")
+        fixes["rope_scaling"] = (
+            "null" if scaling is None else ("{" + ", ".join(f"{k}: {v}" for k, v in asdict(scaling).items()) + "}")
+        )
     return fixes, []
 
 
@@ -258,11 +279,15 @@ def _tied_source(hf_name: str, available: dict[str, Any], config: dict[str, Any]
 def check_hf_expressible(args: ModelArgs, where: str) -> None:
     """ConfigError when ``args`` has no Hugging Face Llama equivalent (its weights would load into a different model)."""
     if args.parallel_block:
-        raise ConfigError(f"{where}: model.parallel_block=true has no Hugging Face Llama equivalent (HF's block is "
-                          f"sequential, with two norms); set model.parallel_block=false")
+        raise ConfigError(
+            f"{where}: model.parallel_block=true has no Hugging Face Llama equivalent (HF's block is "
+            f"sequential, with two norms); set model.parallel_block=false"
+        )
     if args.sliding_window is not None:
-        raise ConfigError(f"{where}: model.sliding_window={args.sliding_window} has no Hugging Face Llama equivalent "
-                          f"(LlamaConfig attends to every earlier token); set model.sliding_window=null")
+        raise ConfigError(
+            f"{where}: model.sliding_window={args.sliding_window} has no Hugging Face Llama equivalent "
+            f"(LlamaConfig attends to every earlier token); set model.sliding_window=null"
+        )
 
 
 def check_hf_dir(path: str, args: ModelArgs) -> None:
@@ -275,8 +300,10 @@ def check_hf_dir(path: str, args: ModelArgs) -> None:
     where = f"model.init_from_hf={path}"
     check_hf_expressible(args, where)
     root = Path(path).expanduser()
-    hint = "point it at a Hugging Face Llama directory (config.json + *.safetensors), e.g. written by " \
-           "`lit-titan export CHECKPOINT OUT_DIR`"
+    hint = (
+        "point it at a Hugging Face Llama directory (config.json + *.safetensors), e.g. written by "
+        "`lit-titan export CHECKPOINT OUT_DIR`"
+    )
     if not root.is_dir():
         raise FileNotFoundError(f"{where} is not a directory; {hint}")
     if not (root / CONFIG_FILE).is_file():
@@ -293,8 +320,9 @@ def check_hf_dir(path: str, args: ModelArgs) -> None:
         if fixes:
             parts.append(f"set {' '.join(f'model.{k}={v}' for k, v in fixes.items())}")
         if no_override:
-            parts.append(f"{'; '.join(no_override)} have no model.* override: choose a flavor (model=...) with "
-                         f"these values")
+            parts.append(
+                f"{'; '.join(no_override)} have no model.* override: choose a flavor (model=...) with these values"
+            )
         raise ConfigError(f"{where} does not match the chosen model: {'; and '.join(parts)}")
     _check_weights(root, args, config, where, hint)
 
@@ -302,14 +330,19 @@ def check_hf_dir(path: str, args: ModelArgs) -> None:
 def _check_weights(root: Path, args: ModelArgs, config: dict[str, Any], where: str, hint: str) -> None:
     """Every tensor the model needs is present, in an existing file, with the right shape."""
     files = hf_io.check_weight_files(root, where, hint)
-    sources = {to_hf_name(ours): (_tied_source(to_hf_name(ours), files, config), shape)
-               for ours, shape in param_shapes(args).items()}
+    sources = {
+        to_hf_name(ours): (_tied_source(to_hf_name(ours), files, config), shape)
+        for ours, shape in param_shapes(args).items()
+    }
     absent = [name for name, (source, _) in sources.items() if source not in files]
     if absent:
         raise FileNotFoundError(f"{where} lacks tensors {absent[:4]}{' ...' if len(absent) > 4 else ''}; {hint}")
     got = hf_io.tensor_shapes(files, {source for source, _ in sources.values()})
-    wrong = [f"{source} {list(got[source])} (expected {list(shape)})" for source, shape in sources.values()
-             if got[source] != shape]
+    wrong = [
+        f"{source} {list(got[source])} (expected {list(shape)})"
+        for source, shape in sources.values()
+        if got[source] != shape
+    ]
     if wrong:
         raise ConfigError(f"{where}: tensor shapes do not match its config.json: {'; '.join(wrong[:4])}")
 
@@ -332,8 +365,9 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
     hf_io.load_into(model, root, lambda name, files: _tied_source(to_hf_name(name), files, config), reader)
 
 
-def read_region(tensor_slice: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
-                rotary_heads: int | None = None) -> Tensor:
+def read_region(
+    tensor_slice: Any, offsets: tuple[int, ...], sizes: tuple[int, ...], rotary_heads: int | None = None
+) -> Tensor:
     """Our rows/columns ``offsets:offsets+sizes`` of one HF tensor, reading only that block.
 
     q/k projections (``rotary_heads``) are stored in HF's rotary layout, a permutation of the rows
@@ -346,7 +380,7 @@ def read_region(tensor_slice: Any, offsets: tuple[int, ...], sizes: tuple[int, .
     first, stop = offsets[0] // head_dim, -(-(offsets[0] + sizes[0]) // head_dim)
     block = tensor_slice[(slice(first * head_dim, stop * head_dim), *index[1:])]
     start = offsets[0] - first * head_dim
-    return half_to_interleaved(block, stop - first)[start:start + sizes[0]]
+    return half_to_interleaved(block, stop - first)[start : start + sizes[0]]
 
 
 # ---- writing -------------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lit_titan.models.loss import at_least_fp32, chunked_cross_entropy
-from lit_titan.models.llama3.attention import attention, attention_mask, window_mask
 from lit_titan.models.init import InitFn, canonical_name, normal, ones, seeded_init_
 from lit_titan.models.llama3.args import ModelArgs, RopeScaling
+from lit_titan.models.llama3.attention import attention, attention_mask, window_mask
+from lit_titan.models.loss import at_least_fp32, chunked_cross_entropy
 
 
 def scaled_rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> Tensor:
@@ -189,8 +189,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, labels: Tensor | None = None,
-                documents: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        labels: Tensor | None = None,
+        documents: Tensor | None = None,
+    ) -> Tensor:
         """tokens [b, s] (or hidden states [b, s, dim] on a pipeline stage without the embedding).
 
         ``positions`` ([s] or [b, s]) are the tokens' places in the original sequence; they default
@@ -208,8 +213,9 @@ class Transformer(nn.Module):
         masks: dict[int | None, Any] = {}  # one per distinct window; plain causal and windowed SDPA need none here
         if documents is not None or self.args.attention != "sdpa":
             windows = {self.args.window_of(int(k)) for k in self.layers}
-            masks = {w: attention_mask(self.args.attention, documents, tokens.shape[1], h.device, window=w)
-                     for w in windows}
+            masks = {
+                w: attention_mask(self.args.attention, documents, tokens.shape[1], h.device, window=w) for w in windows
+            }
         for key, layer in self.layers.items():
             mask = masks.get(self.args.window_of(int(key)))
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)

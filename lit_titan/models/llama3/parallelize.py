@@ -22,8 +22,9 @@ def tp_root(model: nn.Module, loss_parallel: bool) -> dict:
 
     plan = {}
     if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                 use_local_output=False)
+        plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
     if model.norm is not None:
         plan["norm"] = SequenceParallel()
     if model.output is not None:
@@ -72,8 +73,9 @@ def tp_block(block: nn.Module) -> dict:
         return _tp_parallel_block()
     return {
         "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
@@ -100,10 +102,12 @@ def _tp_parallel_block() -> dict:
 
     return {
         "attention_norm": SequenceParallel(),
-        "fork": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                   use_local_output=False),
-        "attention": PrepareModuleInput(input_layouts=(Replicate(), None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
+        "fork": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
+        ),
+        "attention": PrepareModuleInput(
+            input_layouts=(Replicate(), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
@@ -112,8 +116,9 @@ def _tp_parallel_block() -> dict:
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
         "feed_forward.w3": ColwiseParallel(),
-        "join": PrepareModuleInput(input_layouts=(Partial(),), desired_input_layouts=(Shard(1),),
-                                   use_local_output=False),
+        "join": PrepareModuleInput(
+            input_layouts=(Partial(),), desired_input_layouts=(Shard(1),), use_local_output=False
+        ),
     }
 
 
@@ -146,11 +151,13 @@ def tp_stage_io(model: nn.Module) -> list:
 
     styles = []
     if model.tok_embeddings is None:  # receives hidden states: make them the Shard(1) DTensor again
-        styles.append(PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
-                                         use_local_output=False))
+        styles.append(
+            PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=False)
+        )
     if model.output is None:  # sends hidden states: the local piece
-        styles.append(PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),),
-                                          use_local_output=True))
+        styles.append(
+            PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        )
     return styles
 
 
@@ -158,7 +165,13 @@ def attention_cores(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return [(block.attention, "core") for block in blocks(model)]
 
 
-LLAMA3_PLAN = ParallelPlan(tp_root=tp_root, tp_block=tp_block, blocks=blocks, fsdp_units=fsdp_units,
-                           pipeline_units=pipeline_units, tp_stage_io=tp_stage_io,
-                           attention_cores=attention_cores)
+LLAMA3_PLAN = ParallelPlan(
+    tp_root=tp_root,
+    tp_block=tp_block,
+    blocks=blocks,
+    fsdp_units=fsdp_units,
+    pipeline_units=pipeline_units,
+    tp_stage_io=tp_stage_io,
+    attention_cores=attention_cores,
+)
 register_plan(Transformer, LLAMA3_PLAN)

@@ -64,21 +64,43 @@ def _qwen3(**kw: Any) -> Qwen3MoEArgs:
 FLAVORS: dict[str, Qwen3MoEArgs] = {
     # Trains on two CPU cores; the architecture of the real sizes (GQA, q/k norm, top-k of 8 experts).
     "qwen3_moe_debug": _qwen3(
-        dim=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, vocab_size=4096, ffn_dim=512, max_seq_len=2048,
-        moe=MoEArgs(num_experts=8, top_k=2, hidden_dim=128, norm_topk_prob=True, aux_loss="pooled",
-                    aux_loss_coef=0.001),
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        vocab_size=4096,
+        ffn_dim=512,
+        max_seq_len=2048,
+        moe=MoEArgs(
+            num_experts=8, top_k=2, hidden_dim=128, norm_topk_prob=True, aux_loss="pooled", aux_loss_coef=0.001
+        ),
     ),
     # Qwen/Qwen3-30B-A3B config.json
     "qwen3_30b_a3b": _qwen3(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, vocab_size=151936, ffn_dim=6144,
-        moe=MoEArgs(num_experts=128, top_k=8, hidden_dim=768, norm_topk_prob=True, aux_loss="pooled",
-                    aux_loss_coef=0.001),
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        ffn_dim=6144,
+        moe=MoEArgs(
+            num_experts=128, top_k=8, hidden_dim=768, norm_topk_prob=True, aux_loss="pooled", aux_loss_coef=0.001
+        ),
     ),
     # Qwen/Qwen3-235B-A22B config.json
     "qwen3_235b_a22b": _qwen3(
-        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, vocab_size=151936, ffn_dim=12288,
-        moe=MoEArgs(num_experts=128, top_k=8, hidden_dim=1536, norm_topk_prob=True, aux_loss="pooled",
-                    aux_loss_coef=0.001),
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        ffn_dim=12288,
+        moe=MoEArgs(
+            num_experts=128, top_k=8, hidden_dim=1536, norm_topk_prob=True, aux_loss="pooled", aux_loss_coef=0.001
+        ),
     ),
 }
 

@@ -95,26 +95,44 @@ def hf_config(args: Qwen3MoEArgs, dtype: torch.dtype = torch.float32) -> dict[st
     """The ``config.json`` of a ``Qwen3MoeForCausalLM`` with these shapes (shared experts/sigmoid have none)."""
     m = args.moe
     if m.num_shared_experts or m.score_func != "softmax" or m.route_scale != 1.0 or m.bias_update_rate > 0:
-        raise ValueError("Qwen3-MoE on Hugging Face has softmax routing without shared experts, route scale "
-                         "or expert bias; export a model with those options off")
+        raise ValueError(
+            "Qwen3-MoE on Hugging Face has softmax routing without shared experts, route scale "
+            "or expert bias; export a model with those options off"
+        )
     return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
-        "intermediate_size": args.ffn_dim, "moe_intermediate_size": m.hidden_dim, "num_experts": m.num_experts,
-        "num_experts_per_tok": m.top_k, "norm_topk_prob": m.norm_topk_prob,
-        "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": m.aux_loss_coef > 0,
-        "decoder_sparse_step": args.decoder_sparse_step, "mlp_only_layers": list(args.mlp_only_layers),
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "intermediate_size": args.ffn_dim,
+        "moe_intermediate_size": m.hidden_dim,
+        "num_experts": m.num_experts,
+        "num_experts_per_tok": m.top_k,
+        "norm_topk_prob": m.norm_topk_prob,
+        "router_aux_loss_coef": m.aux_loss_coef,
+        "output_router_logits": m.aux_loss_coef > 0,
+        "decoder_sparse_step": args.decoder_sparse_step,
+        "mlp_only_layers": list(args.mlp_only_layers),
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
-        "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": False,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": False,
     }
 
 
-def save_hf(state_dict: dict[str, Tensor], args: Qwen3MoEArgs, out: str | Path,
-            dtype: torch.dtype = torch.float32) -> None:
+def save_hf(
+    state_dict: dict[str, Tensor], args: Qwen3MoEArgs, out: str | Path, dtype: torch.dtype = torch.float32
+) -> None:
     """Write ``config.json`` and one ``model.safetensors`` (small models; the sharded writer is the export command's)."""
     from safetensors.torch import save_file
 

@@ -102,8 +102,13 @@ class Qwen3MoE(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [layer.moe for layer in self.layers.values() if layer.moe is not None]
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, labels: Tensor | None = None,
-                documents: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        labels: Tensor | None = None,
+        documents: Tensor | None = None,
+    ) -> Tensor:
         """As the Llama model's forward; with ``labels`` the loss includes the router's auxiliary loss.
 
         The auxiliary loss is added where the loss is made (this forward, with the head), from the
@@ -169,4 +174,3 @@ class Qwen3MoE(nn.Module):
         if buffer_device is None:
             buffer_device = next((p.device for p in self.parameters() if p.device.type != "meta"), "cpu")
         self.init_buffers(buffer_device)
-

@@ -20,7 +20,7 @@ class Mutant:
     name: str
     bug: str  # what is wrong, in words
     where: str  # the lit_titan code the bug would live in
-    apply: Callable[["_Patcher"], None]
+    apply: Callable[[_Patcher], None]
 
 
 class _Patcher:
@@ -44,6 +44,7 @@ def mutant(name: str, bug: str, where: str):
     def register(fn: Callable[[_Patcher], None]) -> Callable[[_Patcher], None]:
         MUTANTS[name] = Mutant(name, bug, where, fn)
         return fn
+
     return register
 
 
@@ -61,8 +62,11 @@ def applied(name: str | None) -> Iterator[None]:
 
 
 # ---- the mutants ---------------------------------------------------------------------------------
-@mutant("cp_rope_rank0_positions", "every context-parallel rank uses rank 0's RoPE positions",
-        "strategies/context_parallel.py: ContextParallel._inject_positions")
+@mutant(
+    "cp_rope_rank0_positions",
+    "every context-parallel rank uses rank 0's RoPE positions",
+    "strategies/context_parallel.py: ContextParallel._inject_positions",
+)
 def _cp_rope_rank0(p: _Patcher) -> None:
     from lit_titan.strategies import context_parallel as cp
 
@@ -74,8 +78,11 @@ def _cp_rope_rank0(p: _Patcher) -> None:
     p.set(cp.ContextParallel, "_inject_positions", inject)
 
 
-@mutant("cp_allgather_backward_local", "the K/V all-gather's backward keeps the local gradient (no reduction)",
-        "strategies/context_parallel.py: _AllGatherSeq.backward")
+@mutant(
+    "cp_allgather_backward_local",
+    "the K/V all-gather's backward keeps the local gradient (no reduction)",
+    "strategies/context_parallel.py: _AllGatherSeq.backward",
+)
 def _cp_allgather_bwd(p: _Patcher) -> None:
     from lit_titan.strategies import context_parallel as cp
 
@@ -88,8 +95,11 @@ def _cp_allgather_bwd(p: _Patcher) -> None:
     p.set(cp._AllGatherSeq, "backward", staticmethod(backward))
 
 
-@mutant("pp_loss_scale_ignores_accumulation", "the pipeline loss scale forgets gradient accumulation",
-        "strategies/pipeline.py: PipelineRunner.train_step")
+@mutant(
+    "pp_loss_scale_ignores_accumulation",
+    "the pipeline loss scale forgets gradient accumulation",
+    "strategies/pipeline.py: PipelineRunner.train_step",
+)
 def _pp_scale(p: _Patcher) -> None:
     from lit_titan.strategies.pipeline import PipelineRunner
 
@@ -101,8 +111,11 @@ def _pp_scale(p: _Patcher) -> None:
     p.set(PipelineRunner, "train_step", train_step)
 
 
-@mutant("pp_drops_last_microbatch", "the pipeline schedule drops the last micro-batch's gradient",
-        "strategies/pipeline.py: PipelineRunner._scaled_loss")
+@mutant(
+    "pp_drops_last_microbatch",
+    "the pipeline schedule drops the last micro-batch's gradient",
+    "strategies/pipeline.py: PipelineRunner._scaled_loss",
+)
 def _pp_last_mb(p: _Patcher) -> None:
     from lit_titan.strategies.pipeline import PipelineRunner
 
@@ -121,8 +134,11 @@ def _pp_last_mb(p: _Patcher) -> None:
     p.set(PipelineRunner, "_scaled_loss", scaled_loss)
 
 
-@mutant("grad_norm_local_shard", "the global grad norm (logged, and used for clipping) from each rank's shard only",
-        "strategies/grad_norm.py: total_grad_norm")
+@mutant(
+    "grad_norm_local_shard",
+    "the global grad norm (logged, and used for clipping) from each rank's shard only",
+    "strategies/grad_norm.py: total_grad_norm",
+)
 def _norm_local(p: _Patcher) -> None:
     import lit_titan.module as module
     from lit_titan.strategies import grad_norm
@@ -140,8 +156,11 @@ def _norm_local(p: _Patcher) -> None:
     p.set(module, "total_grad_norm", total_grad_norm)
 
 
-@mutant("grad_norm_misses_pp_stages", "the global grad norm leaves out the other pipeline stages",
-        "strategies/grad_norm.py: total_grad_norm")
+@mutant(
+    "grad_norm_misses_pp_stages",
+    "the global grad norm leaves out the other pipeline stages",
+    "strategies/grad_norm.py: total_grad_norm",
+)
 def _norm_pp(p: _Patcher) -> None:
     import lit_titan.module as module
     from lit_titan.strategies import grad_norm
@@ -168,20 +187,29 @@ def _patch_fsdp_divide(p: _Patcher, factor: Callable[[Any], float]) -> None:
     p.set(strategy, "apply_fsdp", apply_fsdp)
 
 
-@mutant("fsdp_sums_gradients", "FSDP sums the data-parallel gradients instead of averaging them",
-        "strategies/fsdp.py: apply_fsdp")
+@mutant(
+    "fsdp_sums_gradients",
+    "FSDP sums the data-parallel gradients instead of averaging them",
+    "strategies/fsdp.py: apply_fsdp",
+)
 def _fsdp_sum(p: _Patcher) -> None:
     _patch_fsdp_divide(p, lambda mesh: 1.0)
 
 
-@mutant("hsdp_replicate_sums", "HSDP's replicate all-reduce sums instead of averaging (divides by the shard size only)",
-        "strategies/fsdp.py: apply_fsdp")
+@mutant(
+    "hsdp_replicate_sums",
+    "HSDP's replicate all-reduce sums instead of averaging (divides by the shard size only)",
+    "strategies/fsdp.py: apply_fsdp",
+)
 def _hsdp_sum(p: _Patcher) -> None:
     _patch_fsdp_divide(p, lambda mesh: float(mesh.size(mesh.ndim - 1)))
 
 
-@mutant("tp_dropped_reduction", "the feed-forward output projection's TP reduction is dropped (each rank keeps "
-        "its partial sum)", "strategies/tensor_parallel.py: tp_plans")
+@mutant(
+    "tp_dropped_reduction",
+    "the feed-forward output projection's TP reduction is dropped (each rank keeps its partial sum)",
+    "strategies/tensor_parallel.py: tp_plans",
+)
 def _tp_drop(p: _Patcher) -> None:
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import RowwiseParallel
@@ -203,15 +231,19 @@ def _tp_drop(p: _Patcher) -> None:
         for _, styles in plans:
             if isinstance(styles, dict) and isinstance(styles.get("feed_forward.w2"), RowwiseParallel):
                 old = styles["feed_forward.w2"]
-                styles["feed_forward.w2"] = NoReduceRowwise(output_layouts=old.output_layouts[0],
-                                                            use_local_output=old.use_local_output)
+                styles["feed_forward.w2"] = NoReduceRowwise(
+                    output_layouts=old.output_layouts[0], use_local_output=old.use_local_output
+                )
         return plans
 
     p.set(tp, "tp_plans", tp_plans)
 
 
-@mutant("data_order_depends_on_dp", "the global sample order depends on the data-parallel degree",
-        "data/datamodule.py: PretrainDataModule._global_batches (order seed)")
+@mutant(
+    "data_order_depends_on_dp",
+    "the global sample order depends on the data-parallel degree",
+    "data/datamodule.py: PretrainDataModule._global_batches (order seed)",
+)
 def _data_order(p: _Patcher) -> None:
     from lit_titan.data.datamodule import PretrainDataModule
 
@@ -229,8 +261,11 @@ def _data_order(p: _Patcher) -> None:
     p.set(PretrainDataModule, "_global_batches", global_batches)
 
 
-@mutant("resume_skips_optimizer_state", "a resume does not restore the optimizer state",
-        "checkpoint/writer.py: load_sharded")
+@mutant(
+    "resume_skips_optimizer_state",
+    "a resume does not restore the optimizer state",
+    "checkpoint/writer.py: load_sharded",
+)
 def _resume_optim(p: _Patcher) -> None:
     from lit_titan.strategies import strategy
 
@@ -238,16 +273,22 @@ def _resume_optim(p: _Patcher) -> None:
     p.set(strategy, "load_sharded", lambda model, optimizers, ckpt, **kw: original(model, [], ckpt, **kw))
 
 
-@mutant("resume_skips_data_position", "a resume restarts the data from the first batch",
-        "data/datamodule.py: PretrainDataModule.load_state_dict")
+@mutant(
+    "resume_skips_data_position",
+    "a resume restarts the data from the first batch",
+    "data/datamodule.py: PretrainDataModule.load_state_dict",
+)
 def _resume_data(p: _Patcher) -> None:
     from lit_titan.data.datamodule import PretrainDataModule
 
     p.set(PretrainDataModule, "load_state_dict", lambda self, state_dict: None)
 
 
-@mutant("resume_skips_lr_scheduler", "a resume restarts the learning-rate schedule from step 0",
-        "checkpoint/writer.py: load_sharded (the meta Lightning restores schedulers from)")
+@mutant(
+    "resume_skips_lr_scheduler",
+    "a resume restarts the learning-rate schedule from step 0",
+    "checkpoint/writer.py: load_sharded (the meta Lightning restores schedulers from)",
+)
 def _resume_lr(p: _Patcher) -> None:
     from lit_titan.strategies import strategy
 
@@ -263,8 +304,11 @@ def _resume_lr(p: _Patcher) -> None:
     p.set(strategy, "load_sharded", load_sharded)
 
 
-@mutant("loss_parallel_local_logsumexp", "loss parallel normalises the log-softmax over each TP rank's vocab "
-        "shard only (a local logsumexp)", "strategies/strategy.py: TitanStrategy._loss_context (loss_parallel)")
+@mutant(
+    "loss_parallel_local_logsumexp",
+    "loss parallel normalises the log-softmax over each TP rank's vocab shard only (a local logsumexp)",
+    "strategies/strategy.py: TitanStrategy._loss_context (loss_parallel)",
+)
 def _loss_parallel_local(p: _Patcher) -> None:
     # The bug a hand-written vocab-parallel cross-entropy makes when it forgets the all-reduces: torch's
     # loss_parallel() computes log_softmax on the local logits (Shard(-1)) with a MAX and a SUM
@@ -278,9 +322,12 @@ def _loss_parallel_local(p: _Patcher) -> None:
     p.set(loss, "_log_softmax", local_log_softmax)
 
 
-@mutant("rope_positions_off_after_document", "after a document boundary the RoPE positions restart one token "
-        "late (the first token of each document continues the previous document's positions)",
-        "data/documents.py: document_positions")
+@mutant(
+    "rope_positions_off_after_document",
+    "after a document boundary the RoPE positions restart one token "
+    "late (the first token of each document continues the previous document's positions)",
+    "data/documents.py: document_positions",
+)
 def _positions_off_by_one(p: _Patcher) -> None:
     import numpy as np
 

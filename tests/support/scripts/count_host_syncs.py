@@ -31,15 +31,36 @@ import torch
 import torch.distributed as dist
 
 HOST_READS = ("item", "cpu", "tolist", "numpy")
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-               "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather",
-               "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
-               "batch_isend_irecv")  # not isend/irecv: torch checks P2POp's op by identity (pipelining only)
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "batch_isend_irecv",
+)  # not isend/irecv: torch checks P2POp's op by identity (pipelining only)
 # Collectives and host reads called directly from these files belong to the model's parallel execution,
 # not to bookkeeping.
-MODEL_OWN = ("torch/distributed/fsdp/", "torch/distributed/tensor/", "torch/distributed/pipelining/",
-             "torch/distributed/_composable/", "lit_titan/strategies/grad_norm.py",
-             "lit_titan/strategies/context_parallel.py")
+MODEL_OWN = (
+    "torch/distributed/fsdp/",
+    "torch/distributed/tensor/",
+    "torch/distributed/pipelining/",
+    "torch/distributed/_composable/",
+    "lit_titan/strategies/grad_norm.py",
+    "lit_titan/strategies/context_parallel.py",
+)
 # Reads of tensors that stay on the host on every device: torch's optimizers keep their step
 # counters on the CPU (unless capturable or fused, which read none), the DataLoader draws its seed
 # from a CPU generator. Reads from anywhere else would wait for the GPU.
@@ -71,8 +92,14 @@ class SyncCounter(L.Callback):
         stack = traceback.extract_stack()[:-2]
         direct = stack[-1].filename.replace(os.sep, "/")  # the code that called the counted function
         # ... or, inside torch.distributed's own helpers (e.g. recv_object_list), the code that called them
-        owner = next((f.filename.replace(os.sep, "/") for f in reversed(stack)
-                      if not f.filename.replace(os.sep, "/").endswith(C10D)), direct)
+        owner = next(
+            (
+                f.filename.replace(os.sep, "/")
+                for f in reversed(stack)
+                if not f.filename.replace(os.sep, "/").endswith(C10D)
+            ),
+            direct,
+        )
         if kind != "logs" and any(own in owner for own in MODEL_OWN):
             return  # e.g. torch's pipeline stages exchange their shapes on the first step
         if kind == "host_reads" and any(ok in direct for ok in HOST_SIDE):
@@ -125,8 +152,10 @@ class SyncCounter(L.Callback):
         self.step = 0
 
     def report(self) -> dict[str, Any]:
-        return {"steps": {str(k): v for k, v in sorted(self.counts.items()) if k},
-                "callers": {str(k): dict(v) for k, v in sorted(self.callers.items())}}
+        return {
+            "steps": {str(k): v for k, v in sorted(self.counts.items()) if k},
+            "callers": {str(k): dict(v) for k, v in sorted(self.callers.items())},
+        }
 
 
 def main() -> None:

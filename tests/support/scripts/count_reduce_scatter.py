@@ -46,8 +46,11 @@ def main(argv: list[str] | None = None) -> None:
         return counting
 
     # FSDP2 calls reduce_scatter_tensor (torch 2.11) or reduce_scatter_single (2.14+); all_reduce under HSDP.
-    originals = {name: getattr(dist, name) for name in ("reduce_scatter_tensor", "reduce_scatter_single", "all_reduce")
-                 if hasattr(dist, name)}
+    originals = {
+        name: getattr(dist, name)
+        for name in ("reduce_scatter_tensor", "reduce_scatter_single", "all_reduce")
+        if hasattr(dist, name)
+    }
     for name, original in originals.items():
         setattr(dist, name, counted(original, "all_reduces" if name == "all_reduce" else "reduce_scatters"))
     try:
@@ -58,21 +61,44 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _fit(devices: int, micro: int, out: str, mode: str, replicate: int, calls: dict) -> None:
-    module = PretrainModule("llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-                                             "vocab_size": 512}, {"total_steps": 2})
-    data = PretrainDataModule(seq_len=32, global_batch_size=GLOBAL_BATCH, micro_batch_size=micro, max_bytes=300_000,
-                              tokenizer={"kind": "bpe", "vocab_size": 512}, model_vocab_size=512,
-                              data_dir=os.environ["LIT_TITAN_CACHE"])
+    module = PretrainModule(
+        "llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}, {"total_steps": 2}
+    )
+    data = PretrainDataModule(
+        seq_len=32,
+        global_batch_size=GLOBAL_BATCH,
+        micro_batch_size=micro,
+        max_bytes=300_000,
+        tokenizer={"kind": "bpe", "vocab_size": 512},
+        model_vocab_size=512,
+        data_dir=os.environ["LIT_TITAN_CACHE"],
+    )
     accumulation = GLOBAL_BATCH // (devices * micro)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, max_steps=2, accumulate_grad_batches=accumulation,
-                        strategy=TitanStrategy(dp_replicate=replicate, grad_reduce_scatter=mode),
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        max_steps=2,
+        accumulate_grad_batches=accumulation,
+        strategy=TitanStrategy(dp_replicate=replicate, grad_reduce_scatter=mode),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
     trainer.fit(module, datamodule=data)
     if trainer.global_rank == 0:
         with open(out, "w") as f:
-            json.dump({**calls, "steps": trainer.global_step, "accumulation": accumulation,
-                       "fsdp_groups": len(fsdp_param_groups([module.model]))}, f)
+            json.dump(
+                {
+                    **calls,
+                    "steps": trainer.global_step,
+                    "accumulation": accumulation,
+                    "fsdp_groups": len(fsdp_param_groups([module.model])),
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ def main(_: Any = None) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {}
     for parallel in (False, True):
-        args = get_flavor("llama3_debug", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128,
-                          parallel_block=parallel)
+        args = get_flavor(
+            "llama3_debug", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=128, parallel_block=parallel
+        )
         torch.manual_seed(0)
         ref = Transformer(args)
         ref.init_weights(seed=0)
@@ -45,7 +46,9 @@ def main(_: Any = None) -> dict[str, Any]:
         with CommDebugMode() as backward:
             got.to_local().square().sum().backward()
         name = "parallel" if parallel else "sequential"
-        out[name] = {"forward": {str(k).split(".")[-1]: v for k, v in forward.get_comm_counts().items()},
-                     "backward": {str(k).split(".")[-1]: v for k, v in backward.get_comm_counts().items()},
-                     "max_diff": (got.full_tensor() - want).abs().max().item()}
+        out[name] = {
+            "forward": {str(k).split(".")[-1]: v for k, v in forward.get_comm_counts().items()},
+            "backward": {str(k).split(".")[-1]: v for k, v in backward.get_comm_counts().items()},
+            "max_diff": (got.full_tensor() - want).abs().max().item(),
+        }
     return out

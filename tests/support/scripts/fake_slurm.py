@@ -34,8 +34,11 @@ def _sbatch(script: str) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            print("sbatch: error: Batch job submission failed: Requested node configuration is not available "
-                  "(--gpus-per-node on nodes without GPUs)", file=sys.stderr)
+            print(
+                "sbatch: error: Batch job submission failed: Requested node configuration is not available "
+                "(--gpus-per-node on nodes without GPUs)",
+                file=sys.stderr,
+            )
             return 1
     nodes = os.environ.get("FAKE_SLURM_NODES", "127.0.0.1,localhost").split(",")
     nnodes, per_node = int(opts.get("nodes", 1)), int(opts.get("ntasks-per-node", 1))
@@ -44,11 +47,23 @@ def _sbatch(script: str) -> int:
         return 1
     nodelist = ",".join(nodes[:nnodes])
     job_id = os.environ.get("FAKE_SLURM_JOB_ID", str(os.getpid()))
-    env = dict(os.environ, SLURM_JOB_ID=job_id, SLURM_JOBID=job_id, SLURM_JOB_NAME=opts.get("job-name", "job"),
-               SLURM_NNODES=str(nnodes), SLURM_JOB_NUM_NODES=str(nnodes), SLURM_NTASKS=str(nnodes * per_node),
-               SLURM_NPROCS=str(nnodes * per_node), SLURM_NTASKS_PER_NODE=str(per_node),
-               SLURM_TASKS_PER_NODE=f"{per_node}(x{nnodes})", SLURM_JOB_NODELIST=nodelist, SLURM_NODELIST=nodelist,
-               SLURM_SUBMIT_DIR=os.getcwd(), SLURMD_NODENAME=nodes[0], SLURM_NODEID="0")
+    env = dict(
+        os.environ,
+        SLURM_JOB_ID=job_id,
+        SLURM_JOBID=job_id,
+        SLURM_JOB_NAME=opts.get("job-name", "job"),
+        SLURM_NNODES=str(nnodes),
+        SLURM_JOB_NUM_NODES=str(nnodes),
+        SLURM_NTASKS=str(nnodes * per_node),
+        SLURM_NPROCS=str(nnodes * per_node),
+        SLURM_NTASKS_PER_NODE=str(per_node),
+        SLURM_TASKS_PER_NODE=f"{per_node}(x{nnodes})",
+        SLURM_JOB_NODELIST=nodelist,
+        SLURM_NODELIST=nodelist,
+        SLURM_SUBMIT_DIR=os.getcwd(),
+        SLURMD_NODENAME=nodes[0],
+        SLURM_NODEID="0",
+    )
     return subprocess.run(["bash", script], env=env).returncode
 
 
@@ -71,10 +86,17 @@ def _srun(argv: list[str]) -> int:
     tasks = []
     for node in range(nnodes):
         for local in range(per_node):
-            env = dict(os.environ, SLURM_PROCID=str(node * per_node + local), SLURM_LOCALID=str(local),
-                       SLURM_NODEID=str(node), SLURMD_NODENAME=nodes[node], SLURM_STEP_ID=step,
-                       SLURM_STEP_NUM_TASKS=str(nnodes * per_node), SLURM_STEP_NUM_NODES=str(nnodes),
-                       SLURM_STEP_NODELIST=",".join(nodes[:nnodes]))
+            env = dict(
+                os.environ,
+                SLURM_PROCID=str(node * per_node + local),
+                SLURM_LOCALID=str(local),
+                SLURM_NODEID=str(node),
+                SLURMD_NODENAME=nodes[node],
+                SLURM_STEP_ID=step,
+                SLURM_STEP_NUM_TASKS=str(nnodes * per_node),
+                SLURM_STEP_NUM_NODES=str(nnodes),
+                SLURM_STEP_NODELIST=",".join(nodes[:nnodes]),
+            )
             # Each task in its own session, as torchrun starts its workers (and as separate nodes would be):
             # with the kernel's autogroup scheduling, tasks sharing one session share one slice of the CPU.
             tasks.append(subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent))
@@ -83,8 +105,11 @@ def _srun(argv: list[str]) -> int:
         bad = [c for c in codes if c not in (None, 0)]
         if bad and kill_on_bad_exit:
             failed = bad[0]
-            print(f"srun: error: a task exited with code {failed}; terminating the job step (--kill-on-bad-exit)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"srun: error: a task exited with code {failed}; terminating the job step (--kill-on-bad-exit)",
+                file=sys.stderr,
+                flush=True,
+            )
             for t in tasks:
                 if t.poll() is None:
                     t.send_signal(signal.SIGKILL)

@@ -74,8 +74,11 @@ class CheckSkip(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if trainer.global_step in (self.step - 1, self.step):
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            self._before = (trainer.global_step, [_local(p.detach()).clone() for p in params],
-                            [float(optimizer.state[p].get("step", 0)) for p in params])
+            self._before = (
+                trainer.global_step,
+                [_local(p.detach()).clone() for p in params],
+                [float(optimizer.state[p].get("step", 0)) for p in params],
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._before is None or trainer.global_step != self._before[0] + 1:
@@ -98,8 +101,11 @@ def main() -> None:
         callbacks = [HangAt(rank=1, step=2)]
     elif mode == "straggle":
         run_dir = os.environ.get("LIT_TITAN_RUN_DIR") or str(cfg.run_dir)
-        callbacks = [SlowRank(rank=1, seconds=SLOW_S), PoisonGrad(rank=1, step=POISON_STEP),
-                     CheckSkip(step=POISON_STEP, out_dir=run_dir)]
+        callbacks = [
+            SlowRank(rank=1, seconds=SLOW_S),
+            PoisonGrad(rank=1, step=POISON_STEP),
+            CheckSkip(step=POISON_STEP, out_dir=run_dir),
+        ]
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     train(cfg, callbacks=callbacks)

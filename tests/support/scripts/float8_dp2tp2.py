@@ -29,7 +29,6 @@ from lit_titan.callbacks import Compile
 from lit_titan.callbacks.float8 import Float8
 from lit_titan.data import PretrainDataModule
 
-
 GATHERED_DTYPES: set[str] = set()
 TP_FLOAT8_GATHERS = [0]  # float8 all-gathers of the TP styles (funcol on torchao's Float8TrainingTensor)
 
@@ -58,8 +57,10 @@ def _watch_float8_tp_all_gather(as_bytes: bool, stack: contextlib.ExitStack) -> 
     from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    for op in (torch.ops.c10d_functional.all_gather_into_tensor.default,
-               torch.ops._c10d_functional.all_gather_into_tensor.default):
+    for op in (
+        torch.ops.c10d_functional.all_gather_into_tensor.default,
+        torch.ops._c10d_functional.all_gather_into_tensor.default,
+    ):
         original = FLOAT8_OPS_TABLE[op]
 
         def watched(aten_op, args, kwargs=None, original=original):
@@ -68,8 +69,9 @@ def _watch_float8_tp_all_gather(as_bytes: bool, stack: contextlib.ExitStack) -> 
                 return original(aten_op, args, kwargs)
             t = args[0]
             data = aten_op(t._data.contiguous().view(torch.uint8), *args[1:], **(kwargs or {}))
-            return Float8TrainingTensor(data.view(t._data.dtype), t._scale, t._orig_dtype, t._linear_mm_config,
-                                        t._gemm_input_role)
+            return Float8TrainingTensor(
+                data.view(t._data.dtype), t._scale, t._orig_dtype, t._linear_mm_config, t._gemm_input_role
+            )
 
         FLOAT8_OPS_TABLE[op] = watched
         stack.callback(FLOAT8_OPS_TABLE.__setitem__, op, original)
@@ -92,13 +94,26 @@ class Record(L.Callback):
         if trainer.global_rank != 0:
             return
         model = pl_module.model
-        weight_types = sorted({type(getattr(m.weight, "_local_tensor", m.weight)).__name__
-                               for m in model.modules() if type(m).__name__ == "Float8Linear"})
+        weight_types = sorted(
+            {
+                type(getattr(m.weight, "_local_tensor", m.weight)).__name__
+                for m in model.modules()
+                if type(m).__name__ == "Float8Linear"
+            }
+        )
         with open(self.out, "w") as f:
-            json.dump({"losses": self.losses, "scales_set": self.scales_set, "weight_types": weight_types,
-                       "all_gather_dtypes": sorted(GATHERED_DTYPES), "tp_float8_all_gathers": TP_FLOAT8_GATHERS[0],
-                       "float8_modules": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
-                       "ffn_norms": sum(name.endswith("ffn_norm") for name, _ in model.named_modules())}, f)
+            json.dump(
+                {
+                    "losses": self.losses,
+                    "scales_set": self.scales_set,
+                    "weight_types": weight_types,
+                    "all_gather_dtypes": sorted(GATHERED_DTYPES),
+                    "tp_float8_all_gathers": TP_FLOAT8_GATHERS[0],
+                    "float8_modules": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
+                    "ffn_norms": sum(name.endswith("ffn_norm") for name, _ in model.named_modules()),
+                },
+                f,
+            )
 
 
 def _parse(value: str):
@@ -153,26 +168,76 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.ExitStack() as stack:
         _watch_float8_all_gather(stack)
         _watch_float8_tp_all_gather(accelerator == "cpu", stack)
-        _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8,
-               use_compile, model_kwargs, optim_kwargs, trainer_kwargs, data_kwargs, callbacks)
+        _train(
+            out,
+            devices,
+            strategy_kwargs,
+            float8_kwargs,
+            precision,
+            accelerator,
+            steps,
+            max_steps,
+            use_float8,
+            use_compile,
+            model_kwargs,
+            optim_kwargs,
+            trainer_kwargs,
+            data_kwargs,
+            callbacks,
+        )
 
 
-def _train(out, devices, strategy_kwargs, float8_kwargs, precision, accelerator, steps, max_steps, use_float8,
-           use_compile, model_kwargs, optim_kwargs, trainer_kwargs, data_kwargs, extra_callbacks) -> None:
+def _train(
+    out,
+    devices,
+    strategy_kwargs,
+    float8_kwargs,
+    precision,
+    accelerator,
+    steps,
+    max_steps,
+    use_float8,
+    use_compile,
+    model_kwargs,
+    optim_kwargs,
+    trainer_kwargs,
+    data_kwargs,
+    extra_callbacks,
+) -> None:
     torch.manual_seed(0)
-    module = PretrainModule("llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512,
-                                             **model_kwargs},
-                            {"total_steps": steps, "warmup_steps": 2, **optim_kwargs})
-    data = PretrainDataModule(seq_len=32, global_batch_size=8, max_bytes=300_000,
-                              tokenizer={"kind": "bpe", "vocab_size": 512}, model_vocab_size=512,
-                              data_dir=os.environ["LIT_TITAN_CACHE"], **data_kwargs)
+    module = PretrainModule(
+        "llama3_debug",
+        {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512, **model_kwargs},
+        {"total_steps": steps, "warmup_steps": 2, **optim_kwargs},
+    )
+    data = PretrainDataModule(
+        seq_len=32,
+        global_batch_size=8,
+        max_bytes=300_000,
+        tokenizer={"kind": "bpe", "vocab_size": 512},
+        model_vocab_size=512,
+        data_dir=os.environ["LIT_TITAN_CACHE"],
+        **data_kwargs,
+    )
     callbacks = [Record(out)] + ([Float8(**float8_kwargs)] if use_float8 else []) + ([Compile()] if use_compile else [])
     callbacks += extra_callbacks
-    trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=TitanStrategy(**strategy_kwargs),
-                        precision=precision, max_steps=max_steps or steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
-                        log_every_n_steps=1, **trainer_kwargs)  # Record reads train/loss every step
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=TitanStrategy(**strategy_kwargs),
+        precision=precision,
+        max_steps=max_steps or steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        **trainer_kwargs,
+    )  # Record reads train/loss every step
     trainer.fit(module, datamodule=data)
 
 

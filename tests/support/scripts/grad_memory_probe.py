@@ -21,9 +21,14 @@ class GradMemoryProbe(pl.Callback):
         self.records: list[dict] = []
 
     def _record(self, trainer: pl.Trainer, module: pl.LightningModule, where: str) -> None:
-        self.records.append({"where": where, "step": trainer.global_step,
-                             "micro_batch": trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1,
-                             "bytes": gradient_storage_bytes([module.model])})
+        self.records.append(
+            {
+                "where": where,
+                "step": trainer.global_step,
+                "micro_batch": trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1,
+                "bytes": gradient_storage_bytes([module.model]),
+            }
+        )
 
     def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         self._record(trainer, module, "after_backward")
@@ -35,6 +40,14 @@ class GradMemoryProbe(pl.Callback):
         # the whole model's gradients at the parameters' dtype (DTensor.numel() is the global size)
         total = sum(p.numel() * p.element_size() for p in module.model.parameters())
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(
-            {"rank": trainer.global_rank, "world_size": trainer.world_size,
-             "accumulation": trainer.accumulate_grad_batches, "model_grad_bytes": total, "records": self.records}))
+        (self.out / f"rank{trainer.global_rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": trainer.global_rank,
+                    "world_size": trainer.world_size,
+                    "accumulation": trainer.accumulate_grad_batches,
+                    "model_grad_bytes": total,
+                    "records": self.records,
+                }
+            )
+        )

@@ -95,8 +95,13 @@ class Record(L.Callback):
             full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a collective: same order on every rank
             if not torch.equal(full.detach().cpu(), expected[name]):
                 wrong.append(name)
-        record = {"bytes_read": read, "total_bytes": total, "local_param_bytes": local_bytes, "wrong": wrong,
-                  "world_size": trainer.world_size}
+        record = {
+            "bytes_read": read,
+            "total_bytes": total,
+            "local_param_bytes": local_bytes,
+            "wrong": wrong,
+            "world_size": trainer.world_size,
+        }
         Path(self.out_dir, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -118,15 +123,33 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _fit(out_dir: str, hf_dir: str, devices: int, kwargs: dict) -> None:
-    module = PretrainModule("llama3_debug", {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-                                             "vocab_size": 512}, {"total_steps": 1}, init_from_hf=hf_dir)
-    data = PretrainDataModule(seq_len=32, global_batch_size=8, max_bytes=300_000,
-                              tokenizer={"kind": "bpe", "vocab_size": 512}, model_vocab_size=512,
-                              data_dir=os.environ["LIT_TITAN_CACHE"])
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=TitanStrategy(**kwargs), max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, use_distributed_sampler=False,
-                        callbacks=[Record(out_dir, hf_dir)])
+    module = PretrainModule(
+        "llama3_debug",
+        {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
+        {"total_steps": 1},
+        init_from_hf=hf_dir,
+    )
+    data = PretrainDataModule(
+        seq_len=32,
+        global_batch_size=8,
+        max_bytes=300_000,
+        tokenizer={"kind": "bpe", "vocab_size": 512},
+        model_vocab_size=512,
+        data_dir=os.environ["LIT_TITAN_CACHE"],
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=TitanStrategy(**kwargs),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=[Record(out_dir, hf_dir)],
+    )
     trainer.fit(module, datamodule=data)
 
 

@@ -38,8 +38,9 @@ class RecordTopology(L.Callback):
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "attempt": getattr(strategy, "restart_attempt", None),
             "coords": dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())),
-            "groups": {dim: dist.get_process_group_ranks(mesh[dim].get_group())
-                       for dim in ("dp_replicate", "dp_shard")},
+            "groups": {
+                dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in ("dp_replicate", "dp_shard")
+            },
         }
         out = Path(trainer.default_root_dir) / "topology"
         out.mkdir(parents=True, exist_ok=True)

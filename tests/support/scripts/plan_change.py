@@ -30,8 +30,9 @@ def tp_root_colwise_embedding(model, loss_parallel):
 
     plan = LLAMA3_PLAN.tp_root(model, loss_parallel)
     if "tok_embeddings" in plan:
-        plan["tok_embeddings"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                 use_local_output=False)
+        plan["tok_embeddings"] = ColwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
     return plan
 
 
@@ -58,9 +59,13 @@ class DumpPlacements(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         if trainer.global_rank == 0:
-            params = {n: {"placements": [str(p) for p in getattr(t, "placements", ())],
-                          "local_shape": list(t.to_local().shape) if hasattr(t, "to_local") else list(t.shape)}
-                      for n, t in pl_module.model.named_parameters()}
+            params = {
+                n: {
+                    "placements": [str(p) for p in getattr(t, "placements", ())],
+                    "local_shape": list(t.to_local().shape) if hasattr(t, "to_local") else list(t.shape),
+                }
+                for n, t in pl_module.model.named_parameters()
+            }
             with open(self.out, "w") as f:
                 json.dump(params, f)
 

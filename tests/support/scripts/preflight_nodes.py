@@ -21,13 +21,25 @@ def main(argv: list[str]) -> dict[str, Any]:
     from lit_titan.train import main as train_main
 
     rank = int(os.environ["RANK"])
-    os.environ.update(LOCAL_RANK=str(rank % RANKS_PER_NODE), NODE_RANK=str(rank // RANKS_PER_NODE),
-                      LOCAL_WORLD_SIZE=str(RANKS_PER_NODE))
+    os.environ.update(
+        LOCAL_RANK=str(rank % RANKS_PER_NODE),
+        NODE_RANK=str(rank // RANKS_PER_NODE),
+        LOCAL_WORLD_SIZE=str(RANKS_PER_NODE),
+    )
     run_dir = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")))
     stopped = None
     try:
-        train_main([*argv, "cluster.devices=2", "cluster.num_nodes=2", "preflight.enabled=true", "preflight.only=true",
-                    "preflight.action=stop", "checkpoint.enabled=false"])
+        train_main(
+            [
+                *argv,
+                "cluster.devices=2",
+                "cluster.num_nodes=2",
+                "preflight.enabled=true",
+                "preflight.only=true",
+                "preflight.action=stop",
+                "checkpoint.enabled=false",
+            ]
+        )
     except PreflightError as err:
         stopped = str(err)
     except PreflightFinished:

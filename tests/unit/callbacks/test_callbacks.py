@@ -4,28 +4,31 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from lit_titan.callbacks import ActivationCheckpointing, Compile
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from lit_titan.strategies.transforms import apply_activation_checkpointing, compile_blocks
+from helpers import TINY, assert_losses_match, losses
+from lit_titan.callbacks import ActivationCheckpointing, Compile
 from lit_titan.models.init import canonical_name
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
 from lit_titan.strategies import TitanStrategy
 from lit_titan.strategies.parallel_dims import ParallelDims
-
-from helpers import TINY, assert_losses_match, losses
+from lit_titan.strategies.transforms import apply_activation_checkpointing, compile_blocks
 
 
 def _model(n_layers=4):
-    return Transformer(get_flavor("llama3_debug", dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2,
-                                  vocab_size=128))
+    return Transformer(get_flavor("llama3_debug", dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=128))
 
 
-@pytest.mark.parametrize("mode, wrapped", [("none", []), ("full", ["0", "1", "2", "3"]),
-                                           ("selective_op", ["0", "1", "2", "3"]),
-                                           ("selective_layer", ["0", "2"])])
+@pytest.mark.parametrize(
+    "mode, wrapped",
+    [
+        ("none", []),
+        ("full", ["0", "1", "2", "3"]),
+        ("selective_op", ["0", "1", "2", "3"]),
+        ("selective_layer", ["0", "2"]),
+    ],
+)
 def test_activation_checkpointing_wraps_the_right_blocks(mode, wrapped):
     model = _model()
     model.init_weights(0)
@@ -82,8 +85,10 @@ def reference(tmp_path_factory, worlds):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "selective_op", "selective_layer"])
 def test_activation_checkpointing_keeps_losses_under_dp2_tp2(mode, reference, tmp_path, worlds):
-    worlds.train([*COMMON, *DP2_TP2, "callbacks=[activation_checkpointing]",
-             f"callbacks.activation_checkpointing.mode={mode}"], tmp_path)
+    worlds.train(
+        [*COMMON, *DP2_TP2, "callbacks=[activation_checkpointing]", f"callbacks.activation_checkpointing.mode={mode}"],
+        tmp_path,
+    )
     assert_losses_match(losses(tmp_path), reference, rtol=1e-6)
 
 
@@ -101,8 +106,11 @@ def test_compile_x_tp_x_fsdp_matches_eager_single_process(reference, tmp_path, w
 def test_checkpoint_with_activation_checkpointing_resumes_without_it(tmp_path, worlds):
     """Checkpoint wrappers must not leak into checkpoint names (a DCP save failed with them once)."""
     steps = [*TINY, "trainer.max_steps=4", "seed=0", "precision=32-true", "checkpoint.every_n_steps=2"]
-    worlds.train([*steps, "callbacks=[activation_checkpointing]", "callbacks.activation_checkpointing.mode=full"],
-                 tmp_path / "ac")
-    worlds.train([*steps, "cluster.devices=2", f"resume={tmp_path / 'ac' / 'checkpoints' / 'step-000002'}"],
-                 tmp_path / "resumed")
+    worlds.train(
+        [*steps, "callbacks=[activation_checkpointing]", "callbacks.activation_checkpointing.mode=full"],
+        tmp_path / "ac",
+    )
+    worlds.train(
+        [*steps, "cluster.devices=2", f"resume={tmp_path / 'ac' / 'checkpoints' / 'step-000002'}"], tmp_path / "resumed"
+    )
     assert_losses_match(losses(tmp_path / "resumed"), losses(tmp_path / "ac")[2:], rtol=1e-5)

@@ -21,10 +21,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 import lit_titan
+from helpers import TINY, read_metrics, run_job
 from lit_titan.callbacks import WATCHDOG_EXIT_CODE, NonFiniteError, NonFiniteGuard, StragglerReport, Watchdog
 from lit_titan.callbacks.straggler import straggler_stats
-
-from helpers import TINY, read_metrics, run_job
 from paths import SCRIPTS
 
 MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
@@ -138,10 +137,21 @@ def test_watchdog_fires_on_a_hang_in_a_two_process_run(tmp_path):
     """Rank 1 stops in Python at step 2; rank 0 blocks in FSDP's all-gather. Both dump, the job exits 75."""
     timeout_s = 6
     # A job the watchdog fails to end fails run_job's timeout (the whole job is killed, the test fails).
-    proc = run_job([sys.executable, str(SCRIPTS / "fault_job.py"), "hang", *TWO_RANKS, "trainer.max_steps=6",
-                    "callbacks=[watchdog]", f"callbacks.watchdog.timeout_s={timeout_s}",
-                    "callbacks.watchdog.first_step_timeout_s=120", "callbacks.watchdog.exit_delay_s=2",
-                    f"run_dir={tmp_path}"], timeout=200)
+    proc = run_job(
+        [
+            sys.executable,
+            str(SCRIPTS / "fault_job.py"),
+            "hang",
+            *TWO_RANKS,
+            "trainer.max_steps=6",
+            "callbacks=[watchdog]",
+            f"callbacks.watchdog.timeout_s={timeout_s}",
+            "callbacks.watchdog.first_step_timeout_s=120",
+            "callbacks.watchdog.exit_delay_s=2",
+            f"run_dir={tmp_path}",
+        ],
+        timeout=200,
+    )
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert proc.returncode in (WATCHDOG_EXIT_CODE, -9), proc.returncode  # -9: Lightning's launcher killed rank 0
     hang = tmp_path / "hang"
@@ -189,9 +199,20 @@ def test_straggler_report_and_nonfinite_skip_in_a_two_process_run(tmp_path):
     guard skips step 5 on *both* ranks (one all-reduced decision), which leaves every rank's
     parameter shard and optimizer state untouched while step 4 changed them, and training finishes.
     """
-    proc = run_job([sys.executable, str(SCRIPTS / "fault_job.py"), "straggle", *TWO_RANKS, "trainer.max_steps=8",
-                    "callbacks=[straggler,timeline]", "nonfinite.action=skip_step", "callbacks.straggler.every_n_steps=4",
-                    f"run_dir={tmp_path}"], timeout=240)
+    proc = run_job(
+        [
+            sys.executable,
+            str(SCRIPTS / "fault_job.py"),
+            "straggle",
+            *TWO_RANKS,
+            "trainer.max_steps=8",
+            "callbacks=[straggler,timeline]",
+            "nonfinite.action=skip_step",
+            "callbacks.straggler.every_n_steps=4",
+            f"run_dir={tmp_path}",
+        ],
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(tmp_path)
     reports = [r for r in rows if r.get("straggler/slowest_rank")]
@@ -207,8 +228,7 @@ def test_straggler_report_and_nonfinite_skip_in_a_two_process_run(tmp_path):
     skipped = [float(r["train/skipped_steps"]) for r in rows if r.get("train/skipped_steps")]
     assert skipped == [0.0] * 5 + [1.0] * 3
     assert [r["train/grad_norm"] for r in rows if r.get("train/grad_norm")][5] == "nan"
-    assert "NonFiniteGuard skipped optimizer step 5: non-finite grad norm nan" in (
-        proc.stdout + proc.stderr)
+    assert "NonFiniteGuard skipped optimizer step 5: non-finite grad norm nan" in (proc.stdout + proc.stderr)
     for rank in (0, 1):
         check = json.loads((tmp_path / f"skipcheck-rank{rank}.json").read_text())
         assert check["4"] == {"params_unchanged": False, "optimizer_state_unchanged": False}, (rank, check)
@@ -246,14 +266,24 @@ class _Snapshots(L.Callback):
         self.after[trainer.global_step - 1] = [p.detach().clone() for p in pl_module.parameters()]
 
 
-def _fit(tmp_path: Path, module: L.LightningModule, guard: NonFiniteGuard, steps: int = 4,
-         *callbacks: L.Callback) -> L.Trainer:
+def _fit(
+    tmp_path: Path, module: L.LightningModule, guard: NonFiniteGuard, steps: int = 4, *callbacks: L.Callback
+) -> L.Trainer:
     torch.manual_seed(0)
     batches = [torch.randint(0, 512, (4, 33)) for _ in range(steps)]
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=CSVLogger(tmp_path, name="", version=""),
-                        callbacks=[guard, *callbacks], log_every_n_steps=1, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        gradient_clip_val=1.0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        callbacks=[guard, *callbacks],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        gradient_clip_val=1.0,
+    )
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
     return trainer
 
@@ -279,8 +309,11 @@ def test_nonfinite_skip_leaves_weights_and_optimizer_state_untouched_and_trainin
 
 def test_nonfinite_stop_names_the_step_and_the_quantity(tmp_path):
     snaps = _Snapshots()
-    with pytest.raises(NonFiniteError, match=r"^non-finite loss nan, grad norm nan at optimizer step 1: stopped "
-                                             r"before the update"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^non-finite loss nan, grad norm nan at optimizer step 1: stopped "
+        r"before the update",
+    ):
         _fit(tmp_path, _NaNAt({1}), NonFiniteGuard(), 3, snaps)  # action=stop is the default
     assert 1 not in snaps.after  # the step never completed: its update was not applied
     with pytest.raises(NonFiniteError, match=r"^non-finite grad norm inf at optimizer step 2: "):
@@ -297,8 +330,16 @@ def test_nonfinite_skip_stops_after_max_consecutive_skips(tmp_path):
 
 
 # ---- a diverging run: stopped before the update, and no non-finite checkpoint ------------------
-DIVERGE = [*TINY, "cluster.devices=2", "seed=0", "precision=32-true", "optim.lr=1000", "trainer.max_steps=12",
-           "checkpoint.every_n_steps=1", "checkpoint.keep_last=2"]
+DIVERGE = [
+    *TINY,
+    "cluster.devices=2",
+    "seed=0",
+    "precision=32-true",
+    "optim.lr=1000",
+    "trainer.max_steps=12",
+    "checkpoint.every_n_steps=1",
+    "checkpoint.keep_last=2",
+]
 
 
 def _checkpoints_finite(ckpts: Path, tmp_path: Path) -> list[str]:
@@ -336,23 +377,28 @@ def test_a_diverging_run_stops_before_the_update_and_never_publishes_a_nonfinite
     assert "stopped before the update" in line and ("loss nan" in line or "grad norm nan" in line), line
     # every step before `step` was saved (the last one at `step`: the state before the bad update)
     assert _checkpoints_finite(tmp_path / "guard" / "checkpoints", tmp_path) == [
-        f"step-{step - 1:06d}", f"step-{step:06d}"]
+        f"step-{step - 1:06d}",
+        f"step-{step:06d}",
+    ]
 
-    unguarded = worlds.run(2, "scripts.nonfinite_run:main",
-                           [*DIVERGE, "nonfinite.enabled=false", f"run_dir={tmp_path / 'off'}"]).value
+    unguarded = worlds.run(
+        2, "scripts.nonfinite_run:main", [*DIVERGE, "nonfinite.enabled=false", f"run_dir={tmp_path / 'off'}"]
+    ).value
     line = unguarded["stopped"]
     assert line and "not written: the state is not finite" in line and "nothing was pruned" in line, line
     refused = int(line.split("checkpoint step-")[1].split(" ")[0])
     assert refused > step  # the guard stopped earlier than the NaN state reached a save
     assert _checkpoints_finite(tmp_path / "off" / "checkpoints", tmp_path) == [
-        f"step-{refused - 2:06d}", f"step-{refused - 1:06d}"]
+        f"step-{refused - 2:06d}",
+        f"step-{refused - 1:06d}",
+    ]
 
 
 def test_nonfinite_error_is_one_line_and_exit_code_3(capsys):
     """The command line's handling of the guard's stop: one line on stderr, exit code 3, no traceback."""
     from lit_titan.cli.entry import run_entry_point
-    from lit_titan.errors import NONFINITE_EXIT_CODE
     from lit_titan.cli.train import user_errors
+    from lit_titan.errors import NONFINITE_EXIT_CODE
 
     def stopped() -> None:
         raise NonFiniteError("non-finite loss nan at optimizer step 6: stopped before the update")

@@ -18,21 +18,27 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-
-from helpers import run_job
-from paths import SCRIPTS
-from parity import CLIP, MIN_LOSS_DROP, STEPS, Tolerance, compare, norms
 import torch
 from torch import nn
 
+from helpers import run_job
 from lit_titan import TitanStrategy
 from lit_titan.callbacks.float8 import RECIPES, Float8
 from lit_titan.models.llama3 import Transformer, get_flavor
+from parity import CLIP, MIN_LOSS_DROP, STEPS, Tolerance, compare, norms
+from paths import SCRIPTS
 
 SCRIPT = SCRIPTS / "float8_dp2tp2.py"
 TINY_MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
-BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+BLOCK_LINEARS = (
+    "attention.wq",
+    "attention.wk",
+    "attention.wv",
+    "attention.wo",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+)
 
 
 def _float8_linear():
@@ -194,8 +200,15 @@ def _float8_tp_plans(model: nn.Module, cb: Float8) -> list[tuple[dict, dict]]:
 
 
 def _layouts(style) -> dict:
-    keys = ("input_layouts", "output_layouts", "desired_input_layouts", "use_local_output", "with_kwargs",
-            "input_kwarg_layouts", "desired_input_kwarg_layouts")
+    keys = (
+        "input_layouts",
+        "output_layouts",
+        "desired_input_layouts",
+        "use_local_output",
+        "with_kwargs",
+        "input_kwarg_layouts",
+        "desired_input_kwarg_layouts",
+    )
     return {k: getattr(style, k) for k in keys if hasattr(style, k)}
 
 
@@ -214,8 +227,11 @@ def test_float8_tp_styles_exactly_where_converted(case):
         PrepareFloat8ModuleInput,
     )
 
-    float8_of = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel,
-                 PrepareModuleInput: PrepareFloat8ModuleInput}
+    float8_of = {
+        ColwiseParallel: Float8ColwiseParallel,
+        RowwiseParallel: Float8RowwiseParallel,
+        PrepareModuleInput: PrepareFloat8ModuleInput,
+    }
     kwargs = {"emulate": True, "auto_filter_small_kn": False, "float8_tp": True}
     linears, prepared = ATTN + FFN, ("attention", "feed_forward")
     if case == "wk_wv_too_small":  # head_dim 8: wk/wv are 64 -> 8, kept in bf16 -> attention's input too
@@ -255,8 +271,11 @@ def _count_float8_tp_all_gathers(monkeypatch) -> list[int]:
     from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
 
     count = [0]
-    for op in (torch.ops.c10d_functional.all_gather_into_tensor.default,
-               torch.ops._c10d_functional.all_gather_into_tensor.default):
+    for op in (
+        torch.ops.c10d_functional.all_gather_into_tensor.default,
+        torch.ops._c10d_functional.all_gather_into_tensor.default,
+    ):
+
         def watched(aten_op, args, kwargs=None, original=FLOAT8_OPS_TABLE[op]):
             count[0] += 1
             return original(aten_op, args, kwargs)
@@ -307,12 +326,17 @@ def test_float8_tp_through_strategy_and_planner_over_fake_pg(monkeypatch):
     got = _float8_tp_over_fake_pg("cpu", emulate=True, monkeypatch=monkeypatch)
     assert len(got["converted"]) == 14
     for i in ("0", "1"):
-        assert got["seen"][f"layers.{i}.attention"] == got["seen"][f"layers.{i}.feed_forward"] \
+        assert (
+            got["seen"][f"layers.{i}.attention"]
+            == got["seen"][f"layers.{i}.feed_forward"]
             == "PrepareFloat8ModuleInput"
-        assert {got["seen"][f"layers.{i}.{n}"] for n in ("attention.wq", "feed_forward.w1")} \
-            == {"Float8ColwiseParallel"}
-        assert {got["seen"][f"layers.{i}.{n}"] for n in ("attention.wo", "feed_forward.w2")} \
-            == {"Float8RowwiseParallel"}
+        )
+        assert {got["seen"][f"layers.{i}.{n}"] for n in ("attention.wq", "feed_forward.w1")} == {
+            "Float8ColwiseParallel"
+        }
+        assert {got["seen"][f"layers.{i}.{n}"] for n in ("attention.wo", "feed_forward.w2")} == {
+            "Float8RowwiseParallel"
+        }
     # the head stays bf16: its style is the plan's own ColwiseParallel subclass (LossHeadColwise)
     assert got["seen"]["output"] in ("ColwiseParallel", "LossHeadColwise")
     assert got["seen"]["tok_embeddings"] == "RowwiseParallel"
@@ -325,8 +349,10 @@ def test_float8_tp_through_strategy_and_planner_over_fake_pg(monkeypatch):
 @pytest.fixture(scope="module")
 def single_process_runs(tmp_path_factory, worlds):
     d = tmp_path_factory.mktemp("float8_runs")
-    return {"float8": _run_in_world(worlds, d / "float8.json", 1),
-            "bf16": _run_in_world(worlds, d / "bf16.json", 1, "float8=0")}
+    return {
+        "float8": _run_in_world(worlds, d / "float8.json", 1),
+        "bf16": _run_in_world(worlds, d / "bf16.json", 1, "float8=0"),
+    }
 
 
 def test_emulated_float8_tracks_bf16(single_process_runs):
@@ -366,8 +392,15 @@ def _float8_parity_run(worlds, run_dir: Path, devices: int, *args: str) -> dict:
     """FLOAT8_PARITY on ``devices`` ranks; micro-batches of 4 accumulated up to each rank's share of 8."""
     run_dir.mkdir(parents=True, exist_ok=True)
     dp = 2 if "dp_shard=2" in args else 1
-    return _run_in_world(worlds, run_dir / "run.json", devices, *FLOAT8_PARITY, f"accumulate={8 // dp // 4}",
-                         f"dump={run_dir / 'dump'}", *args)
+    return _run_in_world(
+        worlds,
+        run_dir / "run.json",
+        devices,
+        *FLOAT8_PARITY,
+        f"accumulate={8 // dp // 4}",
+        f"dump={run_dir / 'dump'}",
+        *args,
+    )
 
 
 def _check_float8_parity(case: str, ref: dict, ref_dir: Path, got: dict, got_dir: Path) -> None:

@@ -14,14 +14,19 @@ from pathlib import Path
 import pytest
 
 from helpers import TINY, assert_losses_match, losses, read_metrics, run_cli, run_job
-
 from lit_titan.checkpoint import CheckpointError, latest_valid, prune, published, validate
 
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 20, 10
-COMMON = [*TINY, f"trainer.max_steps={STEPS}", "seed=0", "precision=32-true", "trainer.deterministic=true",
-          "checkpoint.keep_last=0"]
+COMMON = [
+    *TINY,
+    f"trainer.max_steps={STEPS}",
+    "seed=0",
+    "precision=32-true",
+    "trainer.deterministic=true",
+    "checkpoint.keep_last=0",
+]
 DP2_TP2 = ["cluster.devices=4", "parallel.tp=2"]
 
 
@@ -48,9 +53,16 @@ def test_resume_is_bitwise_exact(reference, tmp_path, worlds):
     assert losses(tmp_path) == losses(reference)[EVERY:]  # bitwise, not approximately
 
 
-@pytest.mark.parametrize("layout", [["cluster.devices=4", "parallel.pp=2"], ["cluster.devices=4", "data.num_workers=2"],
-                                    ["cluster.devices=1"], ["cluster.devices=1", "data.micro_batch_size=2"]],
-                         ids=["pp2xdp2", "dp4-2workers", "one-process", "one-process-accum4"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["cluster.devices=4", "parallel.pp=2"],
+        ["cluster.devices=4", "data.num_workers=2"],
+        ["cluster.devices=1"],
+        ["cluster.devices=1", "data.micro_batch_size=2"],
+    ],
+    ids=["pp2xdp2", "dp4-2workers", "one-process", "one-process-accum4"],
+)
 def test_resume_into_another_layout(reference, tmp_path, layout, worlds):
     """Weights, optimizer, LR schedule and the data position carry over: the data-parallel size
     changes (2 -> 2, 4, 1), and every later step sees the same samples as the uninterrupted run."""
@@ -82,14 +94,31 @@ def test_resume_auto_skips_damaged_and_tampered_checkpoints(reference, tmp_path,
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("fault", [["fault.at_step=13"], ["fault.at_step=10", "fault.during_save=true"]],
-                         ids=["killed-at-step", "killed-during-save"])
+@pytest.mark.parametrize(
+    "fault",
+    [["fault.at_step=13"], ["fault.at_step=10", "fault.during_save=true"]],
+    ids=["killed-at-step", "killed-during-save"],
+)
 def test_torchrun_restarts_a_killed_rank_and_resumes(reference, tmp_path, fault):
     """The documented fault-tolerant launch: torchrun --max-restarts with resume=auto."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "-m", "lit_titan.train",
-           *COMMON, "cluster.devices=2", "checkpoint.every_n_steps=5", "resume=auto", "fault.kill_rank=1", *fault,
-           f"run_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0",
+        "-m",
+        "lit_titan.train",
+        *COMMON,
+        "cluster.devices=2",
+        "checkpoint.every_n_steps=5",
+        "resume=auto",
+        "fault.kill_rank=1",
+        *fault,
+        f"run_dir={tmp_path}",
+    ]
     proc = run_job(cmd, timeout=400)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "fault injection: killing rank 1" in proc.stderr, proc.stderr[-5000:]
@@ -149,16 +178,21 @@ def _tamper_an_entry(ckpt: Path, marker: Path) -> str:
     from lit_titan.checkpoint.layout import CHECKSUMS, file_crc32, read_dcp_metadata
 
     metadata = read_dcp_metadata(ckpt)
-    index, info = max(((i, s) for i, s in metadata.storage_data.items()
-                       if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata)),
-                      key=lambda item: item[1].length)
+    index, info = max(
+        (
+            (i, s)
+            for i, s in metadata.storage_data.items()
+            if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata)
+        ),
+        key=lambda item: item[1].length,
+    )
     buf = io.BytesIO()
     torch.save(_Exploit(marker), buf, _use_new_zipfile_serialization=False)  # the legacy format reads past padding
     payload = buf.getvalue()
     assert len(payload) <= info.length, (len(payload), info.length)
     shard = ckpt / str(info.relative_path)
     data = bytearray(shard.read_bytes())
-    data[info.offset:info.offset + info.length] = payload.ljust(info.length, b"\0")
+    data[info.offset : info.offset + info.length] = payload.ljust(info.length, b"\0")
     shard.write_bytes(bytes(data))
     record = json.loads((ckpt / CHECKSUMS).read_text())
     record["files"][str(info.relative_path)] = file_crc32(shard)
@@ -200,8 +234,9 @@ def test_no_entry_is_unpickled_and_every_file_is_checksummed(reference, tmp_path
     ckpts = _copy(reference, tmp_path)
     ckpt = ckpts / "step-000020"
     files = json.loads((ckpt / CHECKSUMS).read_text())["files"]
-    assert sorted(files) == sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*")
-                                   if p.is_file() and p.name != CHECKSUMS)  # every file, every rank's
+    assert sorted(files) == sorted(
+        str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != CHECKSUMS
+    )  # every file, every rank's
     marker = tmp_path / "payload-ran"
     entry = _tamper_an_entry(ckpt, marker)
     state = {"optimizer_0": {"param_groups": [{"params": []}]}}  # just that entry
@@ -210,8 +245,11 @@ def test_no_entry_is_unpickled_and_every_file_is_checksummed(reference, tmp_path
     assert not marker.exists()
     _flip_a_byte(ckpts / "step-000010")
     validate(ckpts / "step-000010")  # the cheap checks cannot see it
-    with pytest.raises(CheckpointError, match=r"resume=.* cannot be used: .*step-000010/__0_0.distcp does not match "
-                                              r"its checksum"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"resume=.* cannot be used: .*step-000010/__0_0.distcp does not match "
+        r"its checksum",
+    ):
         resolve_resume(str(ckpts / "step-000010"), tmp_path / "run")
     (ckpts / "step-000010" / CHECKSUMS).unlink()
     assert resolve_resume(str(ckpts / "step-000010"), tmp_path / "run2") == str(ckpts / "step-000010")
@@ -220,8 +258,8 @@ def test_no_entry_is_unpickled_and_every_file_is_checksummed(reference, tmp_path
 @pytest.mark.parametrize("override", [("model.dim", 128), ("model.vocab_size", 1024), ("data.seq_len", 64)])
 def test_resume_of_another_model_is_refused_naming_the_key(reference, tmp_path, override):
     from lit_titan.checkpoint.compat import fingerprint
-    from lit_titan.models.llama3 import ModelArgs
     from lit_titan.job.resume import resolve_resume
+    from lit_titan.models.llama3 import ModelArgs
 
     ckpt = reference / "checkpoints" / "step-000010"
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512)
@@ -229,8 +267,11 @@ def test_resume_of_another_model_is_refused_naming_the_key(reference, tmp_path, 
     assert resolve_resume(str(ckpt), tmp_path, same) == str(ckpt)
     key, value = override
     other = {**same, key: value}
-    with pytest.raises(CheckpointError, match=f"^{key}={value}: the checkpoint step-000010 .* was saved with "
-                                              f"{key}={same[key]}; resume with {key}={same[key]}"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"^{key}={value}: the checkpoint step-000010 .* was saved with "
+        f"{key}={same[key]}; resume with {key}={same[key]}",
+    ):
         resolve_resume(str(ckpt), tmp_path, other)
 
 

@@ -22,9 +22,7 @@ import pytest
 import torch
 
 from helpers import TINY, run_cli, run_job
-
-from lit_titan.checkpoint import published, validate
-from lit_titan.checkpoint import disk
+from lit_titan.checkpoint import disk, published, validate
 from lit_titan.checkpoint.staging import PinnedStager, local_bytes
 from paths import ROOT
 
@@ -54,9 +52,13 @@ def test_stager_copies_once_into_buffers_reused_across_saves(one_rank_group):
 
     mesh = init_device_mesh("cpu", (1,))
     weight = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
-    state = {"model": {"w": weight, "b": torch.randn(4)},
-             "optim": {"state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(8, 4)}},
-                       "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}]}}
+    state = {
+        "model": {"w": weight, "b": torch.randn(4)},
+        "optim": {
+            "state": {"w": {"step": torch.tensor(3.0), "exp_avg": torch.randn(8, 4)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["w"]}],
+        },
+    }
     stager = PinnedStager()
     first = stager.stage(state)
     assert stager.allocated_bytes == stager.last_bytes == local_bytes(state) > 0
@@ -87,8 +89,21 @@ def test_stager_copies_once_into_buffers_reused_across_saves(one_rank_group):
 def test_a_save_blocks_training_for_about_one_copy_of_the_state(tmp_path):
     """The benchmark's CPU mode: blocked <= 1.5 x one copy after the first save, which allocates."""
     out = tmp_path / "stall.json"
-    proc = run_job([sys.executable, str(ROOT / "benchmarks" / "checkpoint_stall.py"), "--cpu-smoke", "--saves", "5",
-                    "--every", "1", "--json", str(out)], timeout=900, cwd=ROOT)
+    proc = run_job(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "checkpoint_stall.py"),
+            "--cpu-smoke",
+            "--saves",
+            "5",
+            "--every",
+            "1",
+            "--json",
+            str(out),
+        ],
+        timeout=900,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| save | step | state (rank) |" in proc.stdout and "blocked / one copy" in proc.stdout
     result = json.loads(out.read_text())
@@ -105,7 +120,8 @@ def test_a_save_blocks_training_for_about_one_copy_of_the_state(tmp_path):
     one_copy = min(r["one_copy_s"] for r in later)
     assert blocked <= 1.5 * one_copy, proc.stdout[-3000:]
     assert statistics.median(r["blocked_s"] for r in later) <= 0.25 * statistics.median(
-        r["complete_s"] for r in later), proc.stdout[-3000:]
+        r["complete_s"] for r in later
+    ), proc.stdout[-3000:]
     assert all(r["complete_s"] >= r["blocked_s"] for r in later)  # the write went on after training resumed
 
 
@@ -160,10 +176,10 @@ def test_prune_before_write_never_deletes_the_newest_complete_checkpoint(tmp_pat
 
 # ---- disk space: through the real training loop -------------------------------------------------
 def _main(overrides: list[str], run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lit_titan.cli.entry import run_entry_point
     from lit_titan.cli.train import user_errors
     from lit_titan.config.compose import RUN_DIR_ENV
     from lit_titan.train import main
-    from lit_titan.cli.entry import run_entry_point
 
     monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))  # restored afterwards: main() exports it
     run_entry_point(lambda: main([*COMMON, *overrides, f"run_dir={run_dir}"]), user_errors)
@@ -195,7 +211,8 @@ class _Observe(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.expected = disk.expected_state(trainer.strategy.model, trainer.optimizers)
         trainer.strategy.checkpoint_writer.on_write_data.append(
-            lambda staging: self.listings.append(sorted(p.name for p in self.directory.iterdir())))
+            lambda staging: self.listings.append(sorted(p.name for p in self.directory.iterdir()))
+        )
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.records = list(trainer.strategy.checkpoint_writer.records)
@@ -208,8 +225,18 @@ def test_prune_before_write_keeps_peak_checkpoints_at_keep_last(tmp_path, monkey
 
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
     observe = _Observe(tmp_path / "checkpoints")
-    train(compose([*COMMON, "trainer.max_steps=8", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2",
-                   f"run_dir={tmp_path}"]), callbacks=[observe])
+    train(
+        compose(
+            [
+                *COMMON,
+                "trainer.max_steps=8",
+                "checkpoint.every_n_steps=2",
+                "checkpoint.keep_last=2",
+                f"run_dir={tmp_path}",
+            ]
+        ),
+        callbacks=[observe],
+    )
     assert observe.listings == [
         ["step-000002.partial"],
         ["step-000002", "step-000004.partial"],
@@ -226,9 +253,21 @@ def test_prune_before_write_keeps_peak_checkpoints_at_keep_last(tmp_path, monkey
 def test_a_failed_staging_copy_on_one_rank_ends_every_rank_at_once_with_one_line(tmp_path):
     """Host memory exhausted on rank 1 while it copies step 4's state: every rank stops with the same line
     within seconds (not at the collective timeout, cluster.timeout_s=180 here), step 2 is kept."""
-    proc = run_cli([*COMMON, "cluster.devices=2", "trainer.max_steps=6", "checkpoint.every_n_steps=2",
-                    "checkpoint.keep_last=2", "fault.kill_rank=1", "fault.at_step=4", "fault.stage_error=ENOMEM"],
-                   tmp_path, check=False, timeout=150)
+    proc = run_cli(
+        [
+            *COMMON,
+            "cluster.devices=2",
+            "trainer.max_steps=6",
+            "checkpoint.every_n_steps=2",
+            "checkpoint.keep_last=2",
+            "fault.kill_rank=1",
+            "fault.at_step=4",
+            "fault.stage_error=ENOMEM",
+        ],
+        tmp_path,
+        check=False,
+        timeout=150,
+    )
     assert proc.returncode == 2, proc.stderr[-5000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lit-titan: error:")]
     assert len(errors) == 1, proc.stderr[-5000:]
@@ -241,9 +280,21 @@ def test_a_failed_staging_copy_on_one_rank_ends_every_rank_at_once_with_one_line
 
 
 def test_enospc_in_one_ranks_writer_ends_every_rank_with_one_line(tmp_path):
-    proc = run_cli([*COMMON, "cluster.devices=2", "trainer.max_steps=6", "checkpoint.every_n_steps=2",
-                    "checkpoint.keep_last=2", "fault.kill_rank=1", "fault.at_step=4", "fault.save_error=ENOSPC"],
-                   tmp_path, check=False, timeout=300)
+    proc = run_cli(
+        [
+            *COMMON,
+            "cluster.devices=2",
+            "trainer.max_steps=6",
+            "checkpoint.every_n_steps=2",
+            "checkpoint.keep_last=2",
+            "fault.kill_rank=1",
+            "fault.at_step=4",
+            "fault.save_error=ENOSPC",
+        ],
+        tmp_path,
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-5000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lit-titan: error:")]
     assert len(errors) == 1, proc.stderr[-5000:]  # printed once, by rank 0, for every rank
@@ -259,14 +310,29 @@ def test_enospc_in_one_ranks_writer_ends_every_rank_with_one_line(tmp_path):
 def test_a_rank_killed_during_a_save_is_named_with_its_signal_in_one_line(tmp_path):
     """Lightning's launcher: rank 1 is killed (SIGKILL) while step 4's checkpoint is written. Rank 0, the
     launcher's process, names the rank and the signal in one line (not the disk), with no traceback; step 2 stays."""
-    proc = run_cli([*COMMON, "cluster.devices=2", "trainer.max_steps=6", "checkpoint.every_n_steps=2",
-                    "checkpoint.keep_last=2", "fault.kill_rank=1", "fault.at_step=4", "fault.during_save=true"],
-                   tmp_path, check=False, timeout=300)
+    proc = run_cli(
+        [
+            *COMMON,
+            "cluster.devices=2",
+            "trainer.max_steps=6",
+            "checkpoint.every_n_steps=2",
+            "checkpoint.keep_last=2",
+            "fault.kill_rank=1",
+            "fault.at_step=4",
+            "fault.during_save=true",
+        ],
+        tmp_path,
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-5000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lit-titan: error:")]
     assert len(errors) == 1, proc.stderr[-5000:]
-    assert "rank 1's process was killed by signal 9 (SIGKILL) while checkpoint step-000004 was being written" in (
-        errors[0]) and "step-000002 is kept" in errors[0], errors[0]
+    assert (
+        "rank 1's process was killed by signal 9 (SIGKILL) while checkpoint step-000004 was being written"
+        in (errors[0])
+        and "step-000002 is kept" in errors[0]
+    ), errors[0]
     assert "free space" not in proc.stderr and "keep_last" not in proc.stderr and "Traceback" not in proc.stderr
     ckpts = tmp_path / "checkpoints"
     assert [p.name for p in published(ckpts)] == ["step-000002"]  # step-000004.partial: never loaded, pruned later

@@ -5,13 +5,12 @@ import sys
 
 import pytest
 
+from helpers import TINY, run_job
 from lit_titan.config import ConfigError, compose, validate
 from lit_titan.config.spec import model_args
 from lit_titan.models.llama3 import FLAVORS
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.train import main
-
-from helpers import TINY, run_job
 
 
 @pytest.mark.parametrize("flavor", sorted(FLAVORS))
@@ -24,8 +23,18 @@ def test_every_flavor_composes(flavor):
 
 
 def test_documented_overrides_apply():
-    cfg = compose(["trainer.max_steps=7", "data.seq_len=128", "data.global_batch_size=4", "seed=5",
-                   "run_dir=/tmp/x", "precision=bf16-mixed", "logger=tensorboard", "model.n_layers=2"])
+    cfg = compose(
+        [
+            "trainer.max_steps=7",
+            "data.seq_len=128",
+            "data.global_batch_size=4",
+            "seed=5",
+            "run_dir=/tmp/x",
+            "precision=bf16-mixed",
+            "logger=tensorboard",
+            "model.n_layers=2",
+        ]
+    )
     assert (cfg.trainer.max_steps, cfg.data.seq_len, cfg.data.global_batch_size) == (7, 128, 4)
     assert (cfg.seed, cfg.data.seed, cfg.run_dir, cfg.precision) == (5, 5, "/tmp/x", "bf16-mixed")
     assert list(cfg.logger) == ["tensorboard"] and cfg.optim.total_steps == 7
@@ -33,31 +42,40 @@ def test_documented_overrides_apply():
     assert model_args(cfg).n_layers == 2
 
 
-@pytest.mark.parametrize("overrides, error, needle", [
-    (["model=llama3_7b"], ConfigError, "llama3_debug"),
-    (["logger=mlflow"], ConfigError, "logger"),
-    (["precision=16-mixed"], ConfigError, "precision"),
-    (["data.seq_len=4096"], ConfigError, "data.seq_len"),
-    (["data.seq_len=0"], ConfigError, "data.seq_len"),
-    (["cluster.devices=4", "parallel.dp_shard=3"], LayoutError, "cluster.devices"),
-    (["cluster.devices=6", "parallel.tp=4"], LayoutError, "world size"),
-    (["cluster.devices=4", "parallel.tp=4", "model.n_kv_heads=2", "model.n_heads=4", "model.dim=64"],
-     LayoutError, "n_kv_heads"),
-    (["cluster.devices=2", "parallel.tp=2", "data.seq_len=33"], LayoutError, "data.seq_len"),
-    (["cluster.devices=4", "parallel.cp=2", "data.seq_len=34"], LayoutError, "2*cp*tp"),
-    (["cluster.devices=4", "data.global_batch_size=6"], ConfigError, "data.global_batch_size"),
-    (["cluster.devices=2", "data.global_batch_size=8", "data.micro_batch_size=3"], ConfigError, "micro_batch_size"),
-])
+@pytest.mark.parametrize(
+    "overrides, error, needle",
+    [
+        (["model=llama3_7b"], ConfigError, "llama3_debug"),
+        (["logger=mlflow"], ConfigError, "logger"),
+        (["precision=16-mixed"], ConfigError, "precision"),
+        (["data.seq_len=4096"], ConfigError, "data.seq_len"),
+        (["data.seq_len=0"], ConfigError, "data.seq_len"),
+        (["cluster.devices=4", "parallel.dp_shard=3"], LayoutError, "cluster.devices"),
+        (["cluster.devices=6", "parallel.tp=4"], LayoutError, "world size"),
+        (
+            ["cluster.devices=4", "parallel.tp=4", "model.n_kv_heads=2", "model.n_heads=4", "model.dim=64"],
+            LayoutError,
+            "n_kv_heads",
+        ),
+        (["cluster.devices=2", "parallel.tp=2", "data.seq_len=33"], LayoutError, "data.seq_len"),
+        (["cluster.devices=4", "parallel.cp=2", "data.seq_len=34"], LayoutError, "2*cp*tp"),
+        (["cluster.devices=4", "data.global_batch_size=6"], ConfigError, "data.global_batch_size"),
+        (["cluster.devices=2", "data.global_batch_size=8", "data.micro_batch_size=3"], ConfigError, "micro_batch_size"),
+    ],
+)
 def test_bad_config_is_refused_before_work(overrides, error, needle):
     with pytest.raises(error, match=needle.replace("*", r"\*").replace(".", r"\.")):
         validate(compose(overrides))
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["data=text", "data.path=/nonexistent/corpus"], "data.path"),
-    (["data.tokenizer.kind=hf", "data.tokenizer.path=/nonexistent/tokenizer.json"], "tokenizer"),
-    (["model.vocab_size=512", "data.tokenizer.vocab_size=1024"], "vocab"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["data=text", "data.path=/nonexistent/corpus"], "data.path"),
+        (["data.tokenizer.kind=hf", "data.tokenizer.path=/nonexistent/tokenizer.json"], "tokenizer"),
+        (["model.vocab_size=512", "data.tokenizer.vocab_size=1024"], "vocab"),
+    ],
+)
 def test_bad_data_inputs_fail_before_training(overrides, needle, tmp_path):
     with pytest.raises((FileNotFoundError, ValueError), match=needle):
         main([*TINY, *overrides, f"run_dir={tmp_path}"])
@@ -82,7 +100,8 @@ def test_corpus_smaller_than_one_batch_is_refused(tmp_path):
 
 def test_cli_reports_errors_in_one_line_without_starting_processes(tmp_path):
     proc = run_job(
-        [sys.executable, "-m", "lit_titan.train", "cluster.devices=2", "parallel.tp=3", f"run_dir={tmp_path}"], timeout=120,
+        [sys.executable, "-m", "lit_titan.train", "cluster.devices=2", "parallel.tp=3", f"run_dir={tmp_path}"],
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "lit-titan: error:" in proc.stderr and "Traceback" not in proc.stderr
@@ -115,6 +134,7 @@ def test_the_train_command_checks_its_config_once(tmp_path, monkeypatch):
         def wrapper(*args, **kwargs):
             counts[name] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(spec, "check_schema", counted("schema", spec.check_schema))
@@ -124,8 +144,9 @@ def test_the_train_command_checks_its_config_once(tmp_path, monkeypatch):
     resolve = ParallelDims.resolve.__func__
     monkeypatch.setattr(ParallelDims, "resolve", classmethod(counted("degrees", resolve)))
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))  # restored afterwards: main() exports it
-    summary = main([*TINY, "trainer.max_steps=1", "checkpoint.enabled=false", "data.micro_batch_size=4",
-                    f"run_dir={tmp_path}"])
+    summary = main(
+        [*TINY, "trainer.max_steps=1", "checkpoint.enabled=false", "data.micro_batch_size=4", f"run_dir={tmp_path}"]
+    )
     assert summary and (tmp_path / "metrics.csv").is_file()
     assert counts == {"schema": 1, "rules": 1, "degrees": 1, "inputs": 1}, counts
 
@@ -133,8 +154,8 @@ def test_the_train_command_checks_its_config_once(tmp_path, monkeypatch):
 def test_one_error_line_formatter():
     """lit_titan.errors holds the one formatter every layer's message goes through, and the kinds of bad input."""
     from lit_titan.checkpoint.layout import CheckpointError
-    from lit_titan.errors import UserError, error_line, keyed_line, one_line
     from lit_titan.cli.export import ExportError
+    from lit_titan.errors import UserError, error_line, keyed_line, one_line
 
     assert one_line("first\n  second   part\n\nthird.") == "first; second part; third."
     assert one_line("Could not override 'x'.\nTo append use +x=1") == "Could not override 'x'. To append use +x=1"
@@ -142,5 +163,7 @@ def test_one_error_line_formatter():
     assert one_line(RuntimeError(), with_type=True) == "RuntimeError"
     assert keyed_line("parallel.tp=3 must divide n_heads") == "parallel.tp=3: must divide n_heads"
     assert keyed_line("data.path=x: no such file") == "data.path=x: no such file"
-    assert error_line("parallel.tp=3 must divide\nn_heads=4") == "lit-titan: error: parallel.tp=3: must divide; n_heads=4"
+    assert (
+        error_line("parallel.tp=3 must divide\nn_heads=4") == "lit-titan: error: parallel.tp=3: must divide; n_heads=4"
+    )
     assert all(issubclass(k, UserError) for k in (ConfigError, LayoutError, CheckpointError, ExportError))

@@ -32,15 +32,20 @@ def group_options() -> list[str]:
     out = []
     for group in (*GROUPS, "recipe"):
         for f in sorted((conf_dir() / group).glob("*.yaml")):
-            out.append(f"+recipe={f.stem}" if group == "recipe" else
-                       f"{group}=[{f.stem}]" if group in LIST_GROUPS else f"{group}={f.stem}")
+            out.append(
+                f"+recipe={f.stem}"
+                if group == "recipe"
+                else f"{group}=[{f.stem}]"
+                if group in LIST_GROUPS
+                else f"{group}={f.stem}"
+            )
     return out
 
 
 OPTIONS = group_options()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def composed(option: str | None) -> DictConfig:
     return compose([option] if option else [])
 
@@ -171,17 +176,26 @@ def test_an_unknown_key_is_refused_at_compose_time_naming_it():
 
 def test_a_bad_value_is_named_where_it_was_set_not_where_it_is_used():
     # optim.total_steps is ${trainer.max_steps}: the message names the key the user wrote
-    with pytest.raises(ConfigError, match=r"^trainer\.max_steps=abc: wrong type; trainer\.max_steps takes an "
-                                          r"integer$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer\.max_steps=abc: wrong type; trainer\.max_steps takes an "
+        r"integer$",
+    ):
         compose(["trainer.max_steps=abc"], check=True)
 
 
-@pytest.mark.parametrize("override, line", [
-    ("checkpoint=false", "checkpoint=false: checkpoint is a group of settings; did you mean checkpoint.enabled=false?"),
-    ("preflight=true", "preflight=true: preflight is a group of settings; did you mean preflight.enabled=true?"),
-    ("loss=0", "loss=0: loss is a group of settings; did you mean loss.chunk_tokens=0?"),
-    ("trainer=10", "trainer=10: trainer is a group of settings; set one of its keys instead (trainer.max_steps, "),
-])
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            "checkpoint=false",
+            "checkpoint=false: checkpoint is a group of settings; did you mean checkpoint.enabled=false?",
+        ),
+        ("preflight=true", "preflight=true: preflight is a group of settings; did you mean preflight.enabled=true?"),
+        ("loss=0", "loss=0: loss is a group of settings; did you mean loss.chunk_tokens=0?"),
+        ("trainer=10", "trainer=10: trainer is a group of settings; set one of its keys instead (trainer.max_steps, "),
+    ],
+)
 def test_a_group_replaced_by_a_value_names_the_key_meant(override, line):
     with pytest.raises(ConfigError) as info:
         compose([override], check=True)
@@ -191,18 +205,23 @@ def test_a_group_replaced_by_a_value_names_the_key_meant(override, line):
 def test_a_config_group_given_a_number_lists_its_options(tmp_path):
     from lit_titan.train import main
 
-    with pytest.raises(ConfigError, match=r"^data=3: data is a config group; choose one of mixture, stdlib, text, "
-                                          r"tokens \(or set one of its keys: data\.KEY=VALUE\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data=3: data is a config group; choose one of mixture, stdlib, text, "
+        r"tokens \(or set one of its keys: data\.KEY=VALUE\)$",
+    ):
         main(["data=3", f"run_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()
 
 
 def test_a_users_own_target_is_checked_against_its_signature():
-    with pytest.raises(ConfigError, match=r"^callbacks\.mine\.nope=1: lightning\.pytorch\.callbacks\.Timer takes "
-                                          r"no argument 'nope'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^callbacks\.mine\.nope=1: lightning\.pytorch\.callbacks\.Timer takes "
+        r"no argument 'nope'",
+    ):
         compose(["+callbacks.mine._target_=lightning.pytorch.callbacks.Timer", "+callbacks.mine.nope=1"], check=True)
-    compose(["+callbacks.mine._target_=lightning.pytorch.callbacks.Timer", "+callbacks.mine.interval=step"],
-            check=True)
+    compose(["+callbacks.mine._target_=lightning.pytorch.callbacks.Timer", "+callbacks.mine.interval=step"], check=True)
 
 
 def test_choices_match_the_code_that_uses_them():
@@ -220,34 +239,53 @@ def test_choices_match_the_code_that_uses_them():
 
 def test_every_option_of_every_group_is_covered():
     groups = {p.name for p in Path(conf_dir()).iterdir() if p.is_dir() and p.name not in ("hydra", "__pycache__")}
-    assert groups == {*GROUPS, "recipe"}, "a new config group needs its schema (lit_titan/config/schema.py) and GROUPS here"
+    assert groups == {*GROUPS, "recipe"}, (
+        "a new config group needs its schema (lit_titan/config/schema.py) and GROUPS here"
+    )
 
 
-@pytest.mark.parametrize("overrides, line", [
-    (["cluster.devices=4", "parallel.dp_shard=3"], "parallel.dp_shard=3: the degrees"),
-    (["cluster.devices=4", "parallel.tp=4", "model.dim=96", "model.n_heads=6", "model.n_kv_heads=6"],
-     "parallel.tp=4: does not divide the model's n_heads=6; use parallel.tp in [1, 2, 3, 6]"),
-    (["cluster.devices=2", "parallel.tp=2", "data.seq_len=33"],
-     "data.seq_len=33: not divisible by tp=2; use a multiple of 2, e.g. data.seq_len=32"),
-    (["data.seq_len=4096"], "data.seq_len=4096: exceeds the maximum sequence length 2048 of llama3_debug; "
-                            "use data.seq_len<=2048"),
-    (["model.vocab_size=512", "data.tokenizer.vocab_size=1024"], "data.tokenizer.vocab_size=1024: larger than "
-                                                                  "model.vocab_size=512"),
-    (["model.dim=100", "model.n_heads=3"], "model.dim=100: must be divisible by model.n_heads=3"),
-    (["fault.kill_rank=0"], "fault.at_step=null: fault.kill_rank=0 needs the step to fail at; set fault.at_step=N"),
-    (["fault.kill_rank=0", "fault.at_step=500"], "fault.at_step=500: after the run's last step"),
-    (["cluster.devices=2", "fault.kill_rank=2", "fault.at_step=1"], "fault.kill_rank=2: not a rank of this "
-                                                                    "2-process job; use 0..1"),
-    (["fault.kill_rank=0", "fault.at_step=2", "fault.stage_error=ENOMEM", "checkpoint.async_save=false"],
-     "fault.stage_error=ENOMEM: only asynchronous saves stage a copy"),
-    (["callbacks=[profiler]", "callbacks.profiler.steps=[3,400]"], "callbacks.profiler.steps=[3, 400]: ends after"),
-    (["cluster.devices=2", "parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches=3: the per-rank"),
-])
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (["cluster.devices=4", "parallel.dp_shard=3"], "parallel.dp_shard=3: the degrees"),
+        (
+            ["cluster.devices=4", "parallel.tp=4", "model.dim=96", "model.n_heads=6", "model.n_kv_heads=6"],
+            "parallel.tp=4: does not divide the model's n_heads=6; use parallel.tp in [1, 2, 3, 6]",
+        ),
+        (
+            ["cluster.devices=2", "parallel.tp=2", "data.seq_len=33"],
+            "data.seq_len=33: not divisible by tp=2; use a multiple of 2, e.g. data.seq_len=32",
+        ),
+        (
+            ["data.seq_len=4096"],
+            "data.seq_len=4096: exceeds the maximum sequence length 2048 of llama3_debug; use data.seq_len<=2048",
+        ),
+        (
+            ["model.vocab_size=512", "data.tokenizer.vocab_size=1024"],
+            "data.tokenizer.vocab_size=1024: larger than model.vocab_size=512",
+        ),
+        (["model.dim=100", "model.n_heads=3"], "model.dim=100: must be divisible by model.n_heads=3"),
+        (["fault.kill_rank=0"], "fault.at_step=null: fault.kill_rank=0 needs the step to fail at; set fault.at_step=N"),
+        (["fault.kill_rank=0", "fault.at_step=500"], "fault.at_step=500: after the run's last step"),
+        (
+            ["cluster.devices=2", "fault.kill_rank=2", "fault.at_step=1"],
+            "fault.kill_rank=2: not a rank of this 2-process job; use 0..1",
+        ),
+        (
+            ["fault.kill_rank=0", "fault.at_step=2", "fault.stage_error=ENOMEM", "checkpoint.async_save=false"],
+            "fault.stage_error=ENOMEM: only asynchronous saves stage a copy",
+        ),
+        (["callbacks=[profiler]", "callbacks.profiler.steps=[3,400]"], "callbacks.profiler.steps=[3, 400]: ends after"),
+        (
+            ["cluster.devices=2", "parallel.pp=2", "parallel.pp_microbatches=3"],
+            "parallel.pp_microbatches=3: the per-rank",
+        ),
+    ],
+)
 def test_cross_key_rules_name_the_key_and_the_valid_values(overrides, line):
     with pytest.raises(ValueError) as info:  # ConfigError or LayoutError, both one line
         validate(compose(overrides))
-    assert str(info.value).startswith(line) and "\n" not in str(info.value) and "; " in str(info.value), \
-        str(info.value)
+    assert str(info.value).startswith(line) and "\n" not in str(info.value) and "; " in str(info.value), str(info.value)
 
 
 def documented_commands() -> list[str]:
@@ -261,10 +299,19 @@ def documented_commands() -> list[str]:
         for block in re.findall(r"```bash\n(.*?)```", text, re.S):
             for line in block.splitlines():
                 line = line.split("#")[0].strip()
-                prefix = next((p for p in ("python -m lit_titan.train", "lit-titan train", "lit-titan plan")
-                               if line.startswith(p + " ")), None)
-                if prefix and not any(flag in line.split()[len(prefix.split()):] for flag in ("-m", "--cfg")) \
-                        and not any(key in line for key in (" search=", " calibrate=")):  # many layouts / none
+                prefix = next(
+                    (
+                        p
+                        for p in ("python -m lit_titan.train", "lit-titan train", "lit-titan plan")
+                        if line.startswith(p + " ")
+                    ),
+                    None,
+                )
+                if (
+                    prefix
+                    and not any(flag in line.split()[len(prefix.split()) :] for flag in ("-m", "--cfg"))
+                    and not any(key in line for key in (" search=", " calibrate="))
+                ):  # many layouts / none
                     out.append(line)
     return out
 
@@ -274,7 +321,7 @@ def test_documented_commands_pass_the_schema_and_validation(command):
     import shlex
 
     words = shlex.split(command)
-    args = [a for a in words[3 if words[0] == "python" else 2:] if not a.startswith("--")]
+    args = [a for a in words[3 if words[0] == "python" else 2 :] if not a.startswith("--")]
     if words[:2] == ["lit-titan", "plan"]:
         from lit_titan.cli.plan import split_plan_keys
 

@@ -12,10 +12,9 @@ import sys
 
 import pytest
 
+from helpers import TINY, run_job
 from lit_titan.config import ConfigError
 from lit_titan.train import main
-
-from helpers import TINY, run_job
 from paths import SCRIPTS
 
 ERROR = "lit-titan: error: "
@@ -44,7 +43,11 @@ def _refused(tmp_path, overrides, starts):
 
 def test_empty_data_directory(tmp_path):
     (tmp_path / "docs").mkdir()
-    _refused(tmp_path, ["data=text", f"data.path={tmp_path / 'docs'}"], f"data.path={tmp_path / 'docs'}: no .txt/.jsonl documents there; ")
+    _refused(
+        tmp_path,
+        ["data=text", f"data.path={tmp_path / 'docs'}"],
+        f"data.path={tmp_path / 'docs'}: no .txt/.jsonl documents there; ",
+    )
 
 
 def test_missing_data_directory(tmp_path):
@@ -69,8 +72,10 @@ def test_malformed_jsonl_line_anywhere_in_the_corpus(tmp_path):
     (docs / "a.txt").write_text("words " * 5000)
     (docs / "b.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 50}) + "\n" for i in range(5)) + "{oops\n")
     line = _refused(tmp_path, ["data=text", f"data.path={docs}", "data.val_fraction=0.5"], f"data.path={docs}: ")
-    assert line.endswith(f"{docs / 'b.jsonl'}:6: not a JSON object with a 'text' field (Expecting property name "
-                         "enclosed in double quotes: line 1 column 2 (char 1)); fix or remove that line"), line
+    assert line.endswith(
+        f"{docs / 'b.jsonl'}:6: not a JSON object with a 'text' field (Expecting property name "
+        "enclosed in double quotes: line 1 column 2 (char 1)); fix or remove that line"
+    ), line
 
 
 def test_corpus_smaller_than_one_global_batch(tmp_path):
@@ -84,8 +89,11 @@ def test_corpus_smaller_than_one_global_batch(tmp_path):
 def test_tokenizer_file_that_is_not_json(tmp_path):
     bad = tmp_path / "tokenizer.json"
     bad.write_text("this is not json")
-    _refused(tmp_path, ["data.tokenizer.kind=hf", f"data.tokenizer.path={bad}"],
-             f"data.tokenizer.path={bad}: not a tokenizer.json")
+    _refused(
+        tmp_path,
+        ["data.tokenizer.kind=hf", f"data.tokenizer.path={bad}"],
+        f"data.tokenizer.path={bad}: not a tokenizer.json",
+    )
 
 
 def test_tokenizer_larger_than_the_models_vocabulary(tmp_path):
@@ -100,7 +108,9 @@ def test_float8_without_fp8_units(tmp_path):
 
 def test_prepared_directory_without_manifest(tmp_path):
     (tmp_path / "shards").mkdir()
-    _refused(tmp_path, ["data=tokens", f"data.path={tmp_path / 'shards'}"], f"data.path={tmp_path / 'shards'}: no manifest")
+    _refused(
+        tmp_path, ["data=tokens", f"data.path={tmp_path / 'shards'}"], f"data.path={tmp_path / 'shards'}: no manifest"
+    )
 
 
 # ---- the real command line ------------------------------------------------------------------------------
@@ -109,17 +119,21 @@ def _cli(args, tmp_path, env=None):
     return proc.returncode, [line for line in proc.stderr.splitlines() if line.strip()], proc
 
 
-@pytest.mark.parametrize("args, starts", [
-    (["lit_titan.train", "trainer.max_steps=ten"], "trainer.max_steps=ten: wrong type"),  # class 1: wrong type
-    (["lit_titan.train", "checkpoint.keep_last=-1"], "checkpoint.keep_last=-1: out of range"),  # class 2: range
-    (["lit_titan.train", "run_dir=/proc/lit-titan-run"], "run_dir=/proc/lit-titan-run: cannot write"),  # class 5
-    (["lit_titan.cli", "plan", "optim.betas=[0.9]"], "optim.betas=[0.9]: not two numbers"),
-    (["lit_titan.cli", "prepare", "data=text", "data.path=nowhere", "out=out"], "data.path=nowhere: no such"),
-])
+@pytest.mark.parametrize(
+    "args, starts",
+    [
+        (["lit_titan.train", "trainer.max_steps=ten"], "trainer.max_steps=ten: wrong type"),  # class 1: wrong type
+        (["lit_titan.train", "checkpoint.keep_last=-1"], "checkpoint.keep_last=-1: out of range"),  # class 2: range
+        (["lit_titan.train", "run_dir=/proc/lit-titan-run"], "run_dir=/proc/lit-titan-run: cannot write"),  # class 5
+        (["lit_titan.cli", "plan", "optim.betas=[0.9]"], "optim.betas=[0.9]: not two numbers"),
+        (["lit_titan.cli", "prepare", "data=text", "data.path=nowhere", "out=out"], "data.path=nowhere: no such"),
+    ],
+)
 def test_cli_one_line_and_exit_code_2(args, starts, tmp_path):
     code, lines, proc = _cli(args, tmp_path)
-    assert code == 2 and lines == [ERROR + lines[0][len(ERROR):]] and lines[0].startswith(ERROR + starts), \
-        proc.stderr[-3000:]
+    assert code == 2 and lines == [ERROR + lines[0][len(ERROR) :]] and lines[0].startswith(ERROR + starts), proc.stderr[
+        -3000:
+    ]
     assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
 
 
@@ -131,8 +145,19 @@ def test_cli_hydra_full_error_shows_the_traceback_and_other_ranks_stay_quiet(tmp
 
 @pytest.mark.slow
 def test_under_torchrun_only_the_first_rank_prints(tmp_path):
-    code, lines, proc = _cli(["torch.distributed.run", "--nproc-per-node=2", "--no-python", sys.executable, "-m",
-                              "lit_titan.train", "cluster.devices=2", "data.num_workers=-1"], tmp_path)
+    code, lines, proc = _cli(
+        [
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--no-python",
+            sys.executable,
+            "-m",
+            "lit_titan.train",
+            "cluster.devices=2",
+            "data.num_workers=-1",
+        ],
+        tmp_path,
+    )
     ours = [line for line in lines if line.startswith(ERROR)]
     assert ours == [ERROR + "data.num_workers=-1: out of range; use a value >= 0"], proc.stderr[-3000:]
 
@@ -140,13 +165,15 @@ def test_under_torchrun_only_the_first_rank_prints(tmp_path):
 @pytest.mark.slow
 def test_a_runtime_failure_on_one_rank_is_one_line_naming_the_rank_and_its_log(tmp_path):
     script = str(SCRIPTS / "rank_failure.py")
-    proc = run_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script], timeout=300,
-                   cwd=tmp_path)
+    proc = run_job(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script], timeout=300, cwd=tmp_path
+    )
     ours = [line for line in proc.stderr.splitlines() if line.startswith(ERROR)]
     log = tmp_path / "logs" / "rank-1-error.txt"
     assert proc.returncode != 0 and ours == [
         f"{ERROR}rank 1 failed: RuntimeError: simulated failure on this rank (e.g. an I/O error); full traceback "
-        f"in {log}"], proc.stderr[-3000:]
+        f"in {log}"
+    ], proc.stderr[-3000:]
     assert 'raise RuntimeError("simulated failure' in log.read_text()
     assert 'raise RuntimeError("simulated failure' not in proc.stderr  # no traceback of the rank on the console
 

@@ -262,8 +262,15 @@ def _fit(data_dir: Path, max_steps: int, root: Path, ckpt_path: str | None = Non
     if every:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1))
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=bool(every), callbacks=callbacks, default_root_dir=root,
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(every),
+        callbacks=callbacks,
+        default_root_dir=root,
     )
     trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     return model.seen
@@ -318,8 +325,16 @@ def test_text_corpus_and_rebuild_on_change(tmp_path: Path) -> None:
     docs = list(corpus.iter_texts())
     assert len(docs) == 1 + 100 and docs[1].startswith("Document 0:")
 
-    kw = dict(corpus="text", path=str(root), seq_len=16, global_batch_size=2, data_dir=str(tmp_path / "cache"),
-              tokenizer={"kind": "bpe", "vocab_size": 300}, max_bytes=None, val_fraction=0.0)
+    kw = dict(
+        corpus="text",
+        path=str(root),
+        seq_len=16,
+        global_batch_size=2,
+        data_dir=str(tmp_path / "cache"),
+        tokenizer={"kind": "bpe", "vocab_size": 300},
+        max_bytes=None,
+        val_fraction=0.0,
+    )
     dm = PretrainDataModule(**kw)
     dm.prepare_data()
     assert dm.last_prepare_built
@@ -395,8 +410,9 @@ def test_bad_inputs(tmp_path: Path, data_dir: Path) -> None:
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    dm = PretrainDataModule(corpus="text", path=str(empty), data_dir=str(tmp_path / "c"), seq_len=8,
-                            global_batch_size=1)
+    dm = PretrainDataModule(
+        corpus="text", path=str(empty), data_dir=str(tmp_path / "c"), seq_len=8, global_batch_size=1
+    )
     with pytest.raises(ValueError, match=r"No documents.*data\.path=DIR"):
         dm.prepare_data()
     (empty / "a.txt").write_text("")
@@ -408,8 +424,15 @@ def test_bad_inputs(tmp_path: Path, data_dir: Path) -> None:
 
 def test_atomic_build_leaves_no_partial_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = _write_text_corpus(tmp_path / "corpus")
-    kw = dict(corpus="text", path=str(root), seq_len=16, global_batch_size=2, data_dir=str(tmp_path / "cache"),
-              tokenizer={"kind": "bpe", "vocab_size": 300}, max_bytes=None)
+    kw = dict(
+        corpus="text",
+        path=str(root),
+        seq_len=16,
+        global_batch_size=2,
+        data_dir=str(tmp_path / "cache"),
+        tokenizer={"kind": "bpe", "vocab_size": 300},
+        max_bytes=None,
+    )
 
     import litdata
 
@@ -547,9 +570,17 @@ class _TinyValLM(_TinyLM):
 def test_lightning_runs_val_loop(data_dir: Path, tmp_path: Path, val_fraction: float) -> None:
     model = _TinyValLM(1024)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=4, limit_val_batches=2, val_check_interval=2,
-        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        limit_val_batches=2,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
     )
     trainer.fit(model, datamodule=make_dm(data_dir, val_fraction=val_fraction))
     assert len(model.seen) == 4

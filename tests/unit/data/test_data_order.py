@@ -49,8 +49,15 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _dm(shards: dict[str, Any], **kw: Any) -> PretrainDataModule:
-    args: dict[str, Any] = dict(corpus="tokens", path=shards["a"], seq_len=SEQ, global_batch_size=8,
-                                data_dir=shards["cache"], tokenizer={"kind": "shards"}, seed=7)
+    args: dict[str, Any] = dict(
+        corpus="tokens",
+        path=shards["a"],
+        seq_len=SEQ,
+        global_batch_size=8,
+        data_dir=shards["cache"],
+        tokenizer={"kind": "shards"},
+        seed=7,
+    )
     args.update(kw)
     dm = PretrainDataModule(**args)
     dm.setup("fit")
@@ -158,8 +165,13 @@ def test_mixture_shares_per_batch_and_resume(shards: dict[str, Any]) -> None:
     resumed = Blend(weights, 16, step=123, consumed=Blend(weights, 16).consumed_at(123))
     assert all((resumed.counts(k) == counts[k]).all() for k in range(123, 300))
     # through the datamodule: two real sources, 3:1, tokens-per-source counters
-    dm = _dm(shards, corpus="mixture", path=None, global_batch_size=16,
-             sources=[{"path": shards["a"], "weight": 3}, {"path": shards["b"], "weight": 1}])
+    dm = _dm(
+        shards,
+        corpus="mixture",
+        path=None,
+        global_batch_size=16,
+        sources=[{"path": shards["a"], "weight": 3}, {"path": shards["b"], "weight": 1}],
+    )
     dm.train_dataloader()
     for k in range(50):
         rows = dm.train_batches.rows(k)
@@ -208,24 +220,33 @@ def test_bad_inputs_are_one_line_before_any_work(shards: dict[str, Any], tmp_pat
         _dm(shards, tokenizer={"kind": "bpe", "vocab_size": 512})
     for weight in (0, -1, "x"):
         with pytest.raises(ConfigError, match=r"data\.sources\[1\]\.weight=.*positive"):
-            _dm(shards, corpus="mixture", sources=[{"path": shards["a"], "weight": 1},
-                                                    {"path": shards["b"], "weight": weight}])
+            _dm(
+                shards,
+                corpus="mixture",
+                sources=[{"path": shards["a"], "weight": 1}, {"path": shards["b"], "weight": weight}],
+            )
     with pytest.raises(ConfigError, match=r"data=mixture needs data\.sources"):
         _dm(shards, corpus="mixture", path=None)
     # a source prepared with another vocabulary
     c = text_corpus(_synthetic_corpus(tmp_path / "c_docs", 5, 50, seed=3))
     prepare_shards(c, None, other, tmp_path / "c", chunk_tokens=256)
     with pytest.raises(ConfigError, match="different tokenizers"):
-        _dm(shards, corpus="mixture", sources=[{"path": shards["a"], "weight": 1}, {"path": str(tmp_path / "c"),
-                                                                                      "weight": 1}])
+        _dm(
+            shards,
+            corpus="mixture",
+            sources=[{"path": shards["a"], "weight": 1}, {"path": str(tmp_path / "c"), "weight": 1}],
+        )
     # an empty source (its documents shorter than one sample)
     tiny = tmp_path / "tiny_docs"
     tiny.mkdir()
     (tiny / "a.txt").write_text("w1 w2\n")
     prepare_shards(text_corpus(tiny), None, shards["tok"], tmp_path / "tiny", chunk_tokens=256)
     with pytest.raises(ConfigError, match=r"data\.sources\[1\].*holds no sample"):
-        _dm(shards, corpus="mixture", sources=[{"path": shards["a"], "weight": 1}, {"path": str(tmp_path / "tiny"),
-                                                                                      "weight": 1}])
+        _dm(
+            shards,
+            corpus="mixture",
+            sources=[{"path": shards["a"], "weight": 1}, {"path": str(tmp_path / "tiny"), "weight": 1}],
+        )
     with pytest.raises(ConfigError, match=r"data\.shuffle_window"):
         _dm(shards, shuffle_window=0)
 
@@ -235,8 +256,9 @@ def test_document_positions_restart_after_eos(shards: dict[str, Any]) -> None:
     from lit_titan.module import PretrainModule
 
     # documents (stdlib files) shorter than a chunk: samples straddle document boundaries
-    docs = dict(corpus="stdlib", path=None, max_bytes=200_000, tokenizer={"kind": "bpe", "vocab_size": 512},
-                global_batch_size=4)
+    docs = dict(
+        corpus="stdlib", path=None, max_bytes=200_000, tokenizer={"kind": "bpe", "vocab_size": 512}, global_batch_size=4
+    )
     dm = _dm(shards, document_positions=True, **docs)
     eos = dm.train_splits[0].eos_id
     plain_batches = iter(_dm(shards, **docs).train_dataloader())

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from lit_titan.cli.prepare import USER_ERRORS, main
 from lit_titan.config import ConfigError
 from lit_titan.data import build_tokenizer, load_corpus, split_corpus
 from lit_titan.data.prepare import MANIFEST, TOKENIZER_FILE, read_manifest
 from lit_titan.data.tokenizers import EOS_TOKEN
-from lit_titan.cli.prepare import USER_ERRORS, main
 
 WORDS = "the quick brown fox jumps over a lazy dog while shards of tokens stream from disk to every rank".split()
 CHUNK = 256  # tokens per chunk: several chunks per split, even per file
@@ -105,12 +105,15 @@ def test_documents_decode_back_and_counts_are_exact(one_worker: Path, corpus: Pa
 
 
 def _chunk_hashes(out: Path) -> dict[str, str]:
-    return {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(out.glob("*/chunk-*.bin"))}
+    return {
+        p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.glob("*/chunk-*.bin"))
+    }
 
 
-def test_worker_counts_same_tokens_deterministic_chunks(one_worker: Path, corpus: Path, cache: Path,
-                                                        tmp_path: Path) -> None:
+def test_worker_counts_same_tokens_deterministic_chunks(
+    one_worker: Path, corpus: Path, cache: Path, tmp_path: Path
+) -> None:
     """2 workers twice: byte-identical chunks; 1 vs 2 workers: the same token stream in index order."""
     a, b = tmp_path / "w2a", tmp_path / "w2b"
     run(corpus, cache, a, "workers=2")
@@ -122,11 +125,18 @@ def test_worker_counts_same_tokens_deterministic_chunks(one_worker: Path, corpus
     for split in ("train", "val"):
         assert np.array_equal(stream(one_worker / split), stream(a / split))
         assert {k: v for k, v in m1["splits"][split].items() if k not in ("workers", "chunks")} == {
-            k: v for k, v in m2["splits"][split].items() if k not in ("workers", "chunks")}
+            k: v for k, v in m2["splits"][split].items() if k not in ("workers", "chunks")
+        }
 
 
-def test_rerun_is_a_noop(one_worker: Path, corpus: Path, cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
-                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rerun_is_a_noop(
+    one_worker: Path,
+    corpus: Path,
+    cache: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Same input, any worker count: nothing tokenized, nothing trained, well under a second."""
     before = {p: p.stat().st_mtime_ns for p in one_worker.rglob("*")}
     start = time.process_time()
@@ -170,24 +180,32 @@ def test_changed_input_prepares_again(one_worker: Path, corpus: Path, cache: Pat
     assert run(root, cache, out, "model.vocab_size=400", "workers=1", chunk_tokens=2 * CHUNK)["prepared"]  # tokenizer
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "out=DIR is required"),
-    (["out="], "out=DIR is required"),
-    (["out=gs://bucket/prefix"], "only a local directory or s3://BUCKET/PREFIX"),
-    (["out={out}", "out={out}"], "out= is given twice"),
-    (["out={existing}"], "is not a prepared shard directory"),
-    (["out={file}"], "is a file"),
-    (["out={out}", "workers=0"], "workers=0 must be a positive integer"),
-    (["out={out}", "workers=two"], "workers=two must be a positive integer"),
-    (["out={out}", "chunk_tokens=-4"], "chunk_tokens=-4 must be a positive integer"),
-    (["out={out}", "data.path={missing}"], "data.path"),
-    (["out={out}", "data.path={no_text}"], "no .txt/.jsonl documents there"),
-    (["out={out}", "data.tokenizer.vocab_size=100"], "data.tokenizer.vocab_size"),
-    (["out={out}", "+data.nonsense=1"], "data.nonsense=1: not a config key"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "out=DIR is required"),
+        (["out="], "out=DIR is required"),
+        (["out=gs://bucket/prefix"], "only a local directory or s3://BUCKET/PREFIX"),
+        (["out={out}", "out={out}"], "out= is given twice"),
+        (["out={existing}"], "is not a prepared shard directory"),
+        (["out={file}"], "is a file"),
+        (["out={out}", "workers=0"], "workers=0 must be a positive integer"),
+        (["out={out}", "workers=two"], "workers=two must be a positive integer"),
+        (["out={out}", "chunk_tokens=-4"], "chunk_tokens=-4 must be a positive integer"),
+        (["out={out}", "data.path={missing}"], "data.path"),
+        (["out={out}", "data.path={no_text}"], "no .txt/.jsonl documents there"),
+        (["out={out}", "data.tokenizer.vocab_size=100"], "data.tokenizer.vocab_size"),
+        (["out={out}", "+data.nonsense=1"], "data.nonsense=1: not a config key"),
+    ],
+)
 def test_bad_input_is_one_line_before_any_work(args: list[str], message: str, corpus: Path, tmp_path: Path) -> None:
-    paths = {"out": tmp_path / "out", "existing": tmp_path / "existing", "file": tmp_path / "a_file",
-             "missing": tmp_path / "missing", "no_text": tmp_path / "no_text"}
+    paths = {
+        "out": tmp_path / "out",
+        "existing": tmp_path / "existing",
+        "file": tmp_path / "a_file",
+        "missing": tmp_path / "missing",
+        "no_text": tmp_path / "no_text",
+    }
     (tmp_path / "existing").mkdir()
     (tmp_path / "existing" / "keep.txt").write_text("mine")
     (tmp_path / "a_file").write_text("x")
@@ -209,8 +227,17 @@ def test_malformed_jsonl_is_one_line(one_worker: Path, tmp_path: Path) -> None:
     (root / "a.txt").write_text("a fine document " * 20)
     (root / "b.jsonl").write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
     with pytest.raises(ConfigError, match=r"b\.jsonl:2: not a JSON object") as err:
-        main(["data=text", f"data.path={root}", "data.val_fraction=0", "data.tokenizer.kind=hf",
-              f"data.tokenizer.path={one_worker / TOKENIZER_FILE}", f"out={tmp_path / 'out'}", "workers=1"])
+        main(
+            [
+                "data=text",
+                f"data.path={root}",
+                "data.val_fraction=0",
+                "data.tokenizer.kind=hf",
+                f"data.tokenizer.path={one_worker / TOKENIZER_FILE}",
+                f"out={tmp_path / 'out'}",
+                "workers=1",
+            ]
+        )
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
 
 
@@ -218,8 +245,14 @@ def test_malformed_jsonl_is_one_line(one_worker: Path, tmp_path: Path) -> None:
 def test_command_line(corpus: Path, tmp_path: Path) -> None:
     """``lit-titan prepare`` end to end: prepares, then says "already prepared"; bad input: one line, exit 2."""
     exe = Path(sys.executable).with_name("lit-titan")
-    cmd = [str(exe) if exe.is_file() else sys.executable, *([] if exe.is_file() else ["-m", "lit_titan.cli"]),
-           "prepare", *overrides(corpus, tmp_path / "cache"), f"out={tmp_path / 'out'}", "workers=2"]
+    cmd = [
+        str(exe) if exe.is_file() else sys.executable,
+        *([] if exe.is_file() else ["-m", "lit_titan.cli"]),
+        "prepare",
+        *overrides(corpus, tmp_path / "cache"),
+        f"out={tmp_path / 'out'}",
+        "workers=2",
+    ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -239,9 +272,15 @@ def test_command_line(corpus: Path, tmp_path: Path) -> None:
     broken.mkdir()
     (broken / "a.txt").write_text("a fine document " * 20)
     (broken / "b.jsonl").write_text("{not json\n")
-    cmd = [*cmd[: cmd.index("prepare") + 1], "data=text", f"data.path={broken}", "data.val_fraction=0",
-           "data.tokenizer.kind=hf", f"data.tokenizer.path={tmp_path / 'out' / TOKENIZER_FILE}",
-           f"out={tmp_path / 'out2'}"]
+    cmd = [
+        *cmd[: cmd.index("prepare") + 1],
+        "data=text",
+        f"data.path={broken}",
+        "data.val_fraction=0",
+        "data.tokenizer.kind=hf",
+        f"data.tokenizer.path={tmp_path / 'out' / TOKENIZER_FILE}",
+        f"out={tmp_path / 'out2'}",
+    ]
     bad = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("lit-titan: error: "), bad
     assert "b.jsonl:1: not a JSON object" in bad.stderr

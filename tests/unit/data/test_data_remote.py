@@ -40,9 +40,9 @@ def _local_files(directory: Path) -> dict[str, Path]:
 
 def test_upload_read_download_round_trip(prepared, uploaded, s3_server, tmp_path):
     opts = s3_server.storage_options()
-    bucket, prefix = uploaded[len("s3://"):].split("/", 1)
+    bucket, prefix = uploaded[len("s3://") :].split("/", 1)
     listed = boto3.client("s3", **opts).list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]
-    assert sorted(o["Key"][len(prefix) + 1:] for o in listed) == sorted(_local_files(prepared))
+    assert sorted(o["Key"][len(prefix) + 1 :] for o in listed) == sorted(_local_files(prepared))
 
     assert remote.read_bytes(f"{uploaded}/manifest.json", opts) == (prepared / "manifest.json").read_bytes()
     index = json.loads(remote.read_bytes(f"{uploaded}/train/index.json", opts))
@@ -89,13 +89,12 @@ def test_two_processes_download_a_chunk_once(s3_server, tmp_path):
     opts = s3_server.storage_options()
     url = f"{s3_server.url()}/big.bin"
     payload = os.urandom(8 << 20)  # large enough that both processes are inside download() together
-    bucket, key = url[len("s3://"):].split("/", 1)
+    bucket, key = url[len("s3://") :].split("/", 1)
     boto3.client("s3", **opts).put_object(Bucket=bucket, Key=key, Body=payload)
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
     dest = tmp_path / "cache" / "big.bin"
-    procs = [ctx.Process(target=_download_at_barrier, args=(barrier, url, str(dest), opts, results))
-             for _ in range(2)]
+    procs = [ctx.Process(target=_download_at_barrier, args=(barrier, url, str(dest), opts, results)) for _ in range(2)]
     for p in procs:
         p.start()
     got = [results.get(timeout=300) for _ in procs]  # spawn + import lit_titan: minutes under heavy load
@@ -139,15 +138,18 @@ def test_bad_inputs_one_line_fast(uploaded, prepared, s3_server, tmp_path, monke
     message, took = _refused(remote.preflight, uploaded, {**opts, "endpoint_url": dead})
     assert "cannot reach the S3 endpoint" in message and dead in message and "AWS_ENDPOINT_URL" in message
     assert "data.storage_options.endpoint_url" in message and took < 10
-    message, took = _refused(remote.download, f"{uploaded}/train/chunk-0-0.bin", tmp_path / "c", {
-        **opts, "endpoint_url": dead})
+    message, took = _refused(
+        remote.download, f"{uploaded}/train/chunk-0-0.bin", tmp_path / "c", {**opts, "endpoint_url": dead}
+    )
     assert "cannot reach" in message and took < 20
 
     message, _ = _refused(remote.preflight, "s3://no-such-bucket/p", opts)
     assert "bucket 'no-such-bucket' does not exist" in message
     message, _ = _refused(remote.preflight, f"s3://{s3_server.bucket}/no/such/prefix", opts)
-    assert message == ("no manifest.json under s3://lit-titan/no/such/prefix: run `lit-titan prepare ... "
-                       "out=s3://lit-titan/no/such/prefix` first")
+    assert message == (
+        "no manifest.json under s3://lit-titan/no/such/prefix: run `lit-titan prepare ... "
+        "out=s3://lit-titan/no/such/prefix` first"
+    )
     message, _ = _refused(remote.download, f"{uploaded}/train/chunk-9-9.bin", tmp_path / "c", opts)
     assert "does not exist" in message and not (tmp_path / "c").exists()
     typo = {"endpoint": s3_server.endpoint_url, "aws_secret_access_key": "s3cr3t"}

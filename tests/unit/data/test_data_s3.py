@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-
-from helpers import TINY, losses
 from test_data_order import SEQ, _passes, _synthetic_corpus
 
+from helpers import TINY, losses
 from lit_titan.data import PretrainDataModule, prepare_shards, split_corpus, text_corpus
 from lit_titan.data.remote import upload_dir
 from lit_titan.data.tokenizers import train_bpe_tokenizer
@@ -35,14 +34,22 @@ def uploaded(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> dict[s
 
 
 def _dm(path: str, cache: Path, options: dict | None, **kw: Any) -> PretrainDataModule:
-    dm = PretrainDataModule(corpus="tokens", path=path, tokenizer={"kind": "shards"}, seq_len=SEQ,
-                            global_batch_size=16, data_dir=str(cache), storage_options=options, seed=3, **kw)
+    dm = PretrainDataModule(
+        corpus="tokens",
+        path=path,
+        tokenizer={"kind": "shards"},
+        seq_len=SEQ,
+        global_batch_size=16,
+        data_dir=str(cache),
+        storage_options=options,
+        seed=3,
+        **kw,
+    )
     dm.setup("fit")
     return dm
 
 
-def test_a_node_downloads_each_chunk_about_once_and_reads_match_local(uploaded: dict[str, Any],
-                                                                      tmp_path: Path) -> None:
+def test_a_node_downloads_each_chunk_about_once_and_reads_match_local(uploaded: dict[str, Any], tmp_path: Path) -> None:
     """dp=4, each dp rank with a TP peer (8 readers in lockstep, one node cache): <= 1.05 x the dataset."""
     dp, peers = 4, 2
     cache = tmp_path / "node-cache"
@@ -81,14 +88,28 @@ def test_a_node_downloads_each_chunk_about_once_and_reads_match_local(uploaded: 
 
 
 @pytest.mark.slow
-def test_training_from_s3_equals_training_from_the_local_copy(uploaded: dict[str, Any], tmp_path: Path,
-                                                              worlds: Any) -> None:
+def test_training_from_s3_equals_training_from_the_local_copy(
+    uploaded: dict[str, Any], tmp_path: Path, worlds: Any
+) -> None:
     options = ",".join(f"{k}:'{v}'" for k, v in uploaded["options"].items())
-    common = [*TINY, "trainer.max_steps=6", "precision=32-true", "cluster.devices=2", "data=tokens",
-              "model.vocab_size=512"]
+    common = [
+        *TINY,
+        "trainer.max_steps=6",
+        "precision=32-true",
+        "cluster.devices=2",
+        "data=tokens",
+        "model.vocab_size=512",
+    ]
     worlds.train([*common, f"data.path={uploaded['local']}"], tmp_path / "local")
-    worlds.train([*common, f"data.path={uploaded['url']}", f"data.storage_options={{{options}}}",
-                  f"data.data_dir={tmp_path / 'cache'}"], tmp_path / "s3")
+    worlds.train(
+        [
+            *common,
+            f"data.path={uploaded['url']}",
+            f"data.storage_options={{{options}}}",
+            f"data.data_dir={tmp_path / 'cache'}",
+        ],
+        tmp_path / "s3",
+    )
     assert len(losses(tmp_path / "local")) == 6
     assert losses(tmp_path / "s3") == losses(tmp_path / "local")  # the same bytes, the same losses
 

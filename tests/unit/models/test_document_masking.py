@@ -20,13 +20,16 @@ from parity import PARITY, TOL, check_case, compare, run_dump
 
 EOS = 0
 # Two packed samples of 3 and 2 documents (EOS ends a document; the next token starts one).
-ROWS = [[5, 6, 7, EOS, 9, 10, 11, 12, 13, EOS, 20, 21, 22, 23, 24, 25, 26],
-        [30, 31, 32, 33, 34, 35, 36, EOS, 40, 41, 42, 43, 44, 45, 46, 47, 48]]
+ROWS = [
+    [5, 6, 7, EOS, 9, 10, 11, 12, 13, EOS, 20, 21, 22, 23, 24, 25, 26],
+    [30, 31, 32, 33, 34, 35, 36, EOS, 40, 41, 42, 43, 44, 45, 46, 47, 48],
+]
 
 
 def _model(attention="sdpa", seed=0):
-    args = get_flavor("llama3_debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
-                      attention=attention, max_seq_len=64)
+    args = get_flavor(
+        "llama3_debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, attention=attention, max_seq_len=64
+    )
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
@@ -40,8 +43,11 @@ def _model(attention="sdpa", seed=0):
 
 def _batch():
     tokens = np.array(ROWS)
-    return (torch.from_numpy(tokens), torch.from_numpy(document_positions(tokens, EOS)),
-            torch.from_numpy(document_ids(tokens, EOS)))
+    return (
+        torch.from_numpy(tokens),
+        torch.from_numpy(document_positions(tokens, EOS)),
+        torch.from_numpy(document_ids(tokens, EOS)),
+    )
 
 
 def test_document_ids_follow_eos():
@@ -67,8 +73,12 @@ def test_flex_equals_sdpa_dense_mask():
     sdpa, flex = _model("sdpa"), _model("flex")
     tokens, positions, docs = _batch()
     for documents in (docs, None):
-        torch.testing.assert_close(_per_token_losses(flex, tokens, positions, documents),
-                                   _per_token_losses(sdpa, tokens, positions, documents), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            _per_token_losses(flex, tokens, positions, documents),
+            _per_token_losses(sdpa, tokens, positions, documents),
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 @pytest.mark.gpu
@@ -95,10 +105,14 @@ def test_grads_flow_with_the_dense_mask():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["cluster.devices=2", "parallel.cp=2"], "data.document_masking=true: not supported with parallel.cp > 1"),
-    (["model.attention=flex"], "model.attention=flex: cannot train on CPU"),
-], ids=["cp", "flex-on-cpu"])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["cluster.devices=2", "parallel.cp=2"], "data.document_masking=true: not supported with parallel.cp > 1"),
+        (["model.attention=flex"], "model.attention=flex: cannot train on CPU"),
+    ],
+    ids=["cp", "flex-on-cpu"],
+)
 def test_refused_with_one_line(extra, needle):
     with pytest.raises(ConfigError) as info:
         validate(compose([*TINY, "data.document_masking=true", *extra]))
@@ -110,8 +124,14 @@ def test_refused_with_one_line(extra, needle):
 # pre-clip gradients, clip norm and weights at steps 0, 4 and 7, and every loss, against one process of
 # the same config (this file's reference, shared by its cases). Errors seen (2026-11-25): within
 # parity.TOL, the harness's measured floor.
-MASKED = [*PARITY, "data.seq_len=64", "data.document_positions=true", "data=text", "data.val_fraction=0",
-          "checkpoint.enabled=false"]
+MASKED = [
+    *PARITY,
+    "data.seq_len=64",
+    "data.document_positions=true",
+    "data=text",
+    "data.val_fraction=0",
+    "checkpoint.enabled=false",
+]
 MASKED_LAYOUTS = {  # every pipeline stage must receive the micro-batch's positions and document ids
     "dp2tp2_accum2": ["cluster.devices=4", "parallel.tp=2", "data.micro_batch_size=2"],
     "pp2tp2": ["cluster.devices=4", "parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=2"],
@@ -133,7 +153,7 @@ def short_documents(tmp_path_factory) -> str:
     with (root / "docs.jsonl").open("w") as fh:
         for _ in range(3000):
             start = rng.randrange(len(lines) - 8)
-            fh.write(json.dumps({"text": "\n".join(lines[start:start + rng.randint(1, 6)])}) + "\n")
+            fh.write(json.dumps({"text": "\n".join(lines[start : start + rng.randint(1, 6)])}) + "\n")
     return str(root)
 
 
@@ -143,13 +163,19 @@ def test_masked_training_matches_single_process_under_fsdp_x_tp_and_pp(tmp_path,
     data = f"data.path={short_documents}"
     one = run_dump(worlds, [*MASKED, data, "data.document_masking=true", "cluster.devices=1"], tmp_path / "one")
     for name, layout in MASKED_LAYOUTS.items():
-        check_case(f"masked_{name}", one, run_dump(worlds, [*MASKED, data, "data.document_masking=true", *layout],
-                                                   tmp_path / name))
+        check_case(
+            f"masked_{name}",
+            one,
+            run_dump(worlds, [*MASKED, data, "data.document_masking=true", *layout], tmp_path / name),
+        )
     # The data held document boundaries and the mask acted on them: without it the first step's
     # gradients move by more than ten times the tolerance the layouts above meet (a stage or rank that
     # lost the document ids would show). One step is enough to show it.
-    unmasked = run_dump(worlds, [*MASKED, data, "data.document_masking=false", "cluster.devices=1",
-                                 "trainer.max_steps=1"], tmp_path / "unmasked")
+    unmasked = run_dump(
+        worlds,
+        [*MASKED, data, "data.document_masking=false", "cluster.devices=1", "trainer.max_steps=1"],
+        tmp_path / "unmasked",
+    )
     effect, where = compare(one / "dump", unmasked / "dump", steps=[0]).worst["grads"]
     print(f"document mask off against on: gradients {where}: {effect:.3g} ({effect / TOL.grads:.3g}x the tolerance)")
     assert effect >= 10 * TOL.grads, (effect, where)

@@ -13,8 +13,7 @@ from transformers import LlamaForCausalLM
 from helpers import TINY, assert_losses_match, final_params, losses, run_job
 from lit_titan.cli import export
 from lit_titan.config import ConfigError, compose, validate
-from lit_titan.models.llama3 import Transformer, get_flavor
-from lit_titan.models.llama3 import hf
+from lit_titan.models.llama3 import Transformer, get_flavor, hf
 
 TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512"]
 NOT_MODEL = [o for o in TINY if not o.startswith("model.")]
@@ -41,8 +40,10 @@ def seeded_model(seed: int = 0, sharp: bool = False) -> Transformer:
 
 def save_dcp(model: Transformer, ckpt: Path) -> None:
     """A checkpoint laid out as training writes it: model under state_dict.model.*, plus optimizer state."""
-    state = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-             "optimizer_0": {"state": {"model.norm.weight.exp_avg": torch.ones(ARGS.dim)}}}
+    state = {
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        "optimizer_0": {"state": {"model.norm.weight.exp_avg": torch.ones(ARGS.dim)}},
+    }
     dcp.save(state, checkpoint_id=str(ckpt), no_dist=True)
 
 
@@ -61,11 +62,25 @@ def ours(model: Transformer) -> torch.Tensor:
 def test_export_gives_transformers_the_same_logits(tmp_path):
     model = seeded_model(sharp=True)
     save_dcp(model, tmp_path / "ckpt")
-    out = export.main([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--model", "llama3_debug", *TINY_MODEL,
-                       "--max-shard-size", "300KB"])
+    out = export.main(
+        [
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "hf"),
+            "--model",
+            "llama3_debug",
+            *TINY_MODEL,
+            "--max-shard-size",
+            "300KB",
+        ]
+    )
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["config.json", "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-                     "model-00003-of-00003.safetensors", "model.safetensors.index.json"], files
+    assert files == [
+        "config.json",
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ], files
     diff = (hf_logits(out) - ours(model)).abs().max().item()
     print(f"max |logits(HF) - logits(ours)| = {diff:.3g}")
     assert diff < 1e-5
@@ -174,8 +189,13 @@ def test_bad_export_inputs_exit_2_writing_nothing(tmp_path, capsys, case):
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("lit-titan: error: ") and "\n" not in err and "Traceback" not in err, err
-    assert {"missing": "does not exist", "incomplete": ".metadata", "no-config": "--model FLAVOR",
-            "not-empty-out": "not empty", "bad-dtype": "--dtype"}[case] in err
+    assert {
+        "missing": "does not exist",
+        "incomplete": ".metadata",
+        "no-config": "--model FLAVOR",
+        "not-empty-out": "not empty",
+        "bad-dtype": "--dtype",
+    }[case] in err
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert not list(tmp_path.glob(".hf.partial*"))
 
@@ -186,8 +206,11 @@ COMMON = [*TINY, "seed=0", "precision=32-true"]
 
 def newest_checkpoint(run_dir: Path) -> Path:
     """The newest complete checkpoint directory (unpublished or damaged saves excluded)."""
-    found = [p for p in (run_dir / "checkpoints").iterdir()
-             if (p / ".metadata").is_file() and not p.name.endswith(".partial") and ".damaged" not in p.name]
+    found = [
+        p
+        for p in (run_dir / "checkpoints").iterdir()
+        if (p / ".metadata").is_file() and not p.name.endswith(".partial") and ".damaged" not in p.name
+    ]
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
@@ -196,8 +219,10 @@ def trained(tmp_path_factory, worlds):
     """A dp2 (FSDP) run from seeded random init, exported with the command line; reused below."""
     root = tmp_path_factory.mktemp("trained")
     worlds.train([*COMMON, "trainer.max_steps=4", "cluster.devices=2"], root / "run")
-    proc = run_job([sys.executable, "-m", "lit_titan.cli", "export", str(newest_checkpoint(root / "run")),
-                    str(root / "hf")], timeout=300)
+    proc = run_job(
+        [sys.executable, "-m", "lit_titan.cli", "export", str(newest_checkpoint(root / "run")), str(root / "hf")],
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root
 

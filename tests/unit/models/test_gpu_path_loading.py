@@ -14,8 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lit_titan.cli import export
-from lit_titan.models.llama3 import Transformer, get_flavor
-from lit_titan.models.llama3 import hf
+from lit_titan.models.llama3 import Transformer, get_flavor, hf
 from paths import ROOT
 
 TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=512"]
@@ -33,7 +32,7 @@ def test_read_region_of_a_rotary_tensor_equals_the_cut_of_the_whole(tmp_path, ro
     with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
         got = hf.read_region(f.get_slice("w"), (start, col[0]), (size, col[1]), rotary_heads=heads)
         plain = hf.read_region(f.get_slice("w"), (start, col[0]), (size, col[1]))
-    assert torch.equal(got, ours[start:start + size, col[0]:col[0] + col[1]])
+    assert torch.equal(got, ours[start : start + size, col[0] : col[0] + col[1]])
     assert not torch.equal(plain, got)  # the rows really were un-permuted
 
 
@@ -46,10 +45,14 @@ def hf_dir(tmp_path_factory) -> Path:
         model = Transformer(ARGS)
     model.to_empty(device="cpu")
     model.init_weights(5)
-    dcp.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}},
-             checkpoint_id=str(root / "ckpt"), no_dist=True)
-    return export.main([str(root / "ckpt"), str(root / "hf"), "--model", "llama3_debug", *TINY_MODEL,
-                        "--max-shard-size", "300KB"])
+    dcp.save(
+        {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}},
+        checkpoint_id=str(root / "ckpt"),
+        no_dist=True,
+    )
+    return export.main(
+        [str(root / "ckpt"), str(root / "hf"), "--model", "llama3_debug", *TINY_MODEL, "--max-shard-size", "300KB"]
+    )
 
 
 @pytest.mark.slow
@@ -61,8 +64,10 @@ def test_init_from_hf_reads_a_quarter_per_rank_at_world_4(hf_dir, tmp_path, layo
     for rank, rec in enumerate(records):
         assert rec["wrong"] == [], (rank, rec["wrong"])  # every parameter equals the file's, exactly
         ratio = rec["bytes_read"] / (total / 4)
-        print(f"{layout} rank {rank}: read {rec['bytes_read']} B of {total} B = {ratio:.3f} x total/4 "
-              f"(holds {rec['local_param_bytes']} B)")
+        print(
+            f"{layout} rank {rank}: read {rec['bytes_read']} B of {total} B = {ratio:.3f} x total/4 "
+            f"(holds {rec['local_param_bytes']} B)"
+        )
         assert ratio <= 1.3, rec
 
 
@@ -75,8 +80,16 @@ def test_model_code_does_not_import_the_layers_above_it():
     bad = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            bad += [f"{path.relative_to(root)}: {n}" for n in names
-                    if n.startswith("lit_titan") and not n.startswith(allowed)]
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            bad += [
+                f"{path.relative_to(root)}: {n}"
+                for n in names
+                if n.startswith("lit_titan") and not n.startswith(allowed)
+            ]
     assert bad == []

@@ -10,9 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from helpers import TINY, assert_losses_match, losses
 from lit_titan.config import ConfigError, compose, validate
 from lit_titan.config.spec import model_args
-from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models import hf_io
-from lit_titan.models.llama3 import hf
+from lit_titan.models.llama3 import Transformer, get_flavor, hf
 from lit_titan.models.llama3.args import RopeScaling
 
 EXPECTED = {"llama3_2_1b": 1_235_814_400, "llama3_2_3b": 3_212_749_824}
@@ -44,8 +43,19 @@ def test_tied_refused_under_pp_with_the_reason():
 
 
 def _small(tie: bool, scaling: RopeScaling | None):
-    return get_flavor("llama3_debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, norm_eps=1e-6,
-                      rope_theta=10000.0, rope_scaling=scaling, tie_embeddings=tie, max_seq_len=256)
+    return get_flavor(
+        "llama3_debug",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=512,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=scaling,
+        tie_embeddings=tie,
+        max_seq_len=256,
+    )
 
 
 def _hf_config(args) -> LlamaConfig:
@@ -57,8 +67,11 @@ def _hf_config(args) -> LlamaConfig:
 TOKENS = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("tie, scaling", [(True, ROPE32), (True, None), (False, ROPE32)],
-                         ids=["tied-rope32", "tied-no-scaling", "untied-rope32"])
+@pytest.mark.parametrize(
+    "tie, scaling",
+    [(True, ROPE32), (True, None), (False, ROPE32)],
+    ids=["tied-rope32", "tied-no-scaling", "untied-rope32"],
+)
 def test_hf_import_and_export_match_transformers_logits(tie, scaling, tmp_path):
     """A randomly initialised HF Llama of this shape (made here, no hub) -> our model: same logits;
     ours -> HF directory -> transformers: same logits, lm_head absent when tied."""
@@ -103,7 +116,11 @@ def test_wrong_settings_name_their_overrides(tmp_path):
     with pytest.raises(ConfigError) as info:
         hf.check_hf_dir(str(tmp_path / "ref"), args.with_overrides(rope_scaling=None, norm_eps=1e-5, rope_theta=5e5))
     msg = str(info.value)
-    assert "model.norm_eps=1e-06" in msg and "model.rope_theta=10000.0" in msg and "model.rope_scaling={factor: 32.0" in msg
+    assert (
+        "model.norm_eps=1e-06" in msg
+        and "model.rope_theta=10000.0" in msg
+        and "model.rope_scaling={factor: 32.0" in msg
+    )
     untied = _small(False, ROPE32)
     LlamaForCausalLM(_hf_config(untied)).save_pretrained(str(tmp_path / "untied"))
     with pytest.raises(ConfigError, match="model.tie_embeddings=false"):
@@ -157,11 +174,16 @@ def test_model_code_depends_on_nothing_above_it():
     allowed = ("lit_titan.models", "lit_titan.errors")
     for leaf in ("errors.py", "models/loss.py"):
         tree = ast.parse((root / leaf).read_text())
-        assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("lit_titan")]
+        assert not [
+            n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("lit_titan")
+        ]
     for path in (root / "models").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
-                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            )
             ok = (*allowed, "lit_titan.strategies.plan") if path.name in ("parallelize.py", "registry.py") else allowed
             bad = [n for n in names if n.startswith("lit_titan") and not n.startswith(ok)]
             assert not bad, f"{path.relative_to(root)} imports {bad}"

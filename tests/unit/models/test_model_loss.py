@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TINY, assert_losses_match, losses, read_metrics
-from lit_titan.models.loss import chunked_cross_entropy, resolve_chunk_tokens
 from lit_titan.models.llama3 import Transformer, get_flavor
+from lit_titan.models.loss import chunked_cross_entropy, resolve_chunk_tokens
 from paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -123,10 +123,14 @@ def unchunked_reference(tmp_path_factory, worlds):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ["cluster.devices=4", "parallel.tp=2"],
-    ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=1F1B"],
-], ids=["dp2xtp2", "pp2xdp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["cluster.devices=4", "parallel.tp=2"],
+        ["cluster.devices=4", "parallel.pp=2", "parallel.pp_schedule=1F1B"],
+    ],
+    ids=["dp2xtp2", "pp2xdp2"],
+)
 @pytest.mark.parity
 def test_chunked_training_matches_unchunked_single_process(layout, unchunked_reference, tmp_path, worlds):
     worlds.train([*COMMON, *layout, "loss.chunk_tokens=48"], tmp_path)

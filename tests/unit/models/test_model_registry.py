@@ -64,10 +64,16 @@ def _toy_flavor(name: str, **overrides: Any) -> ToyArgs:
 
 
 TOY = registry.ModelSpec(
-    name="toy", args=ToyArgs, model=ToyModel, flavors={"toy_tiny": ToyArgs()}, get_flavor=_toy_flavor,
+    name="toy",
+    args=ToyArgs,
+    model=ToyModel,
+    flavors={"toy_tiny": ToyArgs()},
+    get_flavor=_toy_flavor,
     plan=ParallelPlan(tp_root=lambda m, lp: {}, tp_block=lambda b: {}, blocks=lambda m: [], fsdp_units=lambda m: []),
-    hf=None, count_params=lambda a: 2 * a.vocab_size * a.dim,
-    flops_per_token=lambda a, seq_len, num_params=None: 6.0 * 2 * a.vocab_size * a.dim)
+    hf=None,
+    count_params=lambda a: 2 * a.vocab_size * a.dim,
+    flops_per_token=lambda a, seq_len, num_params=None: 6.0 * 2 * a.vocab_size * a.dim,
+)
 
 
 @pytest.fixture
@@ -94,12 +100,22 @@ def test_a_second_family_is_one_registry_entry(toy_family: None, tmp_path: Path)
         registry.hf_adapter(args, "export")
 
     # The module builds and trains the toy family under a plain Lightning strategy.
-    module = PretrainModule(model="toy_tiny", model_overrides={"dim": 8},
-                            optim={"lr": 1e-2, "warmup_steps": 1, "total_steps": 2})
+    module = PretrainModule(
+        model="toy_tiny", model_overrides={"dim": 8}, optim={"lr": 1e-2, "warmup_steps": 1, "total_steps": 2}
+    )
     tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
-                        num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
     loader = torch.utils.data.DataLoader(tokens, batch_size=2)
     trainer.fit(module, loader, loader)
     assert isinstance(module.model, ToyModel) and trainer.global_step == 2
@@ -117,8 +133,13 @@ def test_strategy_contract_is_written_and_probes_are_gone() -> None:
     members = _members(StrategyContract)
     assert {"owns_parallelization", "pp_group", "data_parallel_size", "register_transform"} <= members
     for implementation in (titan, plain):  # looked up statically: some properties assert before setup
-        missing = [m for m in sorted(members) if inspect.getattr_static(implementation, m, None) is None
-                   and not hasattr(type(implementation), m) and m not in vars(implementation)]
+        missing = [
+            m
+            for m in sorted(members)
+            if inspect.getattr_static(implementation, m, None) is None
+            and not hasattr(type(implementation), m)
+            and m not in vars(implementation)
+        ]
         assert not missing, (type(implementation).__name__, missing)
     assert titan.owns_parallelization and titan.runs_transforms and titan.mesh is None
     assert not plain.owns_parallelization and not plain.runs_transforms and plain.data_parallel_size == 1
@@ -130,8 +151,13 @@ def test_strategy_contract_is_written_and_probes_are_gone() -> None:
         if "strategies" in path.relative_to(root).parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2
-                    and isinstance(node.args[1], ast.Constant) and node.args[1].value in members):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in members
+            ):
                 probes.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
     assert not probes, probes

@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from helpers import TINY, losses
-from parity import TOL, check_case, run_layout
 from lit_titan.config import compose, validate
 from lit_titan.errors import ConfigError
 from lit_titan.models.llama3 import Transformer, get_flavor
+from parity import TOL, check_case, run_layout
 
 
 def _tiny(parallel_block: bool) -> Transformer:
-    args = get_flavor("llama3_debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128,
-                      parallel_block=parallel_block)
+    args = get_flavor(
+        "llama3_debug", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, parallel_block=parallel_block
+    )
     model = Transformer(args)
     model.init_weights(seed=0)
     return model
@@ -65,16 +66,22 @@ def test_tp_collectives_per_block_halve(worlds):
 # Parity (tests/support/parity.py): pre-clip gradients, clip norm, weights and losses equal a one-process run of the
 # parallel block with the same seed and global batch, in parity.PARITY's regime (lr 1e-2, clipping engaged).
 PARALLEL = ["model.parallel_block=true"]
-LAYOUTS = {"pp2": ["cluster.devices=2", "parallel.pp=2"],
-           "cp2": ["cluster.devices=2", "parallel.cp=2"],
-           # TP with accumulation, compile (per block) and selective activation checkpointing around the
-           # fork/join DTensors of the parallel block's TP plan, in one run. aot_eager: dynamo +
-           # AOTAutograd trace the same graphs; this case cost ~4 s with it, 20-30 s with inductor on a
-           # cold cache (CI), and inductor's own trap is guarded by test_callbacks.py's compile x TP x
-           # FSDP test
-           "dp2_tp2_accum2_compile_ac": ["cluster.devices=4", "parallel.tp=2", "data.micro_batch_size=2",
-                                         "callbacks=[compile,activation_checkpointing]",
-                                         "callbacks.compile.backend=aot_eager"]}
+LAYOUTS = {
+    "pp2": ["cluster.devices=2", "parallel.pp=2"],
+    "cp2": ["cluster.devices=2", "parallel.cp=2"],
+    # TP with accumulation, compile (per block) and selective activation checkpointing around the
+    # fork/join DTensors of the parallel block's TP plan, in one run. aot_eager: dynamo +
+    # AOTAutograd trace the same graphs; this case cost ~4 s with it, 20-30 s with inductor on a
+    # cold cache (CI), and inductor's own trap is guarded by test_callbacks.py's compile x TP x
+    # FSDP test
+    "dp2_tp2_accum2_compile_ac": [
+        "cluster.devices=4",
+        "parallel.tp=2",
+        "data.micro_batch_size=2",
+        "callbacks=[compile,activation_checkpointing]",
+        "callbacks.compile.backend=aot_eager",
+    ],
+}
 
 
 @pytest.mark.parity
@@ -93,8 +100,14 @@ def test_parallel_block_matches_single_process(parity_reference, tmp_path, world
 def test_planner_tp_comm_halves_and_one_norm_fewer():
     from lit_titan.cli.plan import make_plan
 
-    base = ["model=llama3_8b", "cluster=h100_8", "parallel.tp=8", "data.seq_len=8192", "data.global_batch_size=8",
-            "data.micro_batch_size=1"]
+    base = [
+        "model=llama3_8b",
+        "cluster=h100_8",
+        "parallel.tp=8",
+        "data.seq_len=8192",
+        "data.global_batch_size=8",
+        "data.micro_batch_size=1",
+    ]
     seq, par = (make_plan([*base, f"model.parallel_block={v}"], write=False) for v in ("false", "true"))
     assert seq["perf"]["tp_comm_s"] > 0
     assert par["perf"]["tp_comm_s"] == pytest.approx(seq["perf"]["tp_comm_s"] / 2, rel=1e-12)

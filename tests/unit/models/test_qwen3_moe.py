@@ -16,14 +16,15 @@ from transformers import Qwen3MoeForCausalLM
 
 from lit_titan.models.moe import MoE, MoEArgs, grouped_mm_works, moe_aux_loss, update_expert_bias
 from lit_titan.models.qwen3_moe import Qwen3MoE, count_params, flops_per_token, get_flavor, hf
-from moe_cases import BATCH, RTOL, build, make_batch, rel_err, tiny_args
+from moe_cases import RTOL, build, make_batch, rel_err, tiny_args
 
 
 def _reference(model: Qwen3MoE, tmp_path, dtype=torch.float64) -> Qwen3MoeForCausalLM:
     hf.save_hf(model.state_dict(), model.args, tmp_path, dtype=dtype)
     # eager: its per-expert loop, an implementation independent of our sorting and grouped GEMM
-    ref = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=dtype, attn_implementation="eager",
-                                              experts_implementation="eager")
+    ref = Qwen3MoeForCausalLM.from_pretrained(
+        tmp_path, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+    )
     return ref.train()
 
 
@@ -104,8 +105,20 @@ def test_routing_is_dropless_deterministic_and_counts_once():
     assert moe.stats == {} and y.shape == x.shape  # aux_loss_coef 0: no statistics kept
     counts = torch.bincount(moe.router(x.abs().reshape(-1, 16))[2].reshape(-1), minlength=4)
     assert counts.sum() == 15 * 2 and counts[3] == 15
-    dsv3 = MoE(16, MoEArgs(num_experts=4, top_k=2, hidden_dim=8, score_func="sigmoid", num_shared_experts=1,
-                           route_scale=2.5, bias_update_rate=0.1, aux_loss="sequence", aux_loss_coef=0.01))
+    dsv3 = MoE(
+        16,
+        MoEArgs(
+            num_experts=4,
+            top_k=2,
+            hidden_dim=8,
+            score_func="sigmoid",
+            num_shared_experts=1,
+            route_scale=2.5,
+            bias_update_rate=0.1,
+            aux_loss="sequence",
+            aux_loss_coef=0.01,
+        ),
+    )
     for p in dsv3.parameters():
         torch.nn.init.normal_(p, std=0.1)
     dsv3.train()
@@ -127,8 +140,9 @@ def test_balancing_losses_follow_their_formulas():
     layers = {}
     for kind in ("pooled", "global", "sequence"):
         torch.manual_seed(2)
-        layers[kind] = MoE(16, MoEArgs(num_experts=4, top_k=2, hidden_dim=8, aux_loss=kind, aux_loss_coef=1.0,
-                                       experts_impl="loop")).double()
+        layers[kind] = MoE(
+            16, MoEArgs(num_experts=4, top_k=2, hidden_dim=8, aux_loss=kind, aux_loss_coef=1.0, experts_impl="loop")
+        ).double()
         torch.nn.init.normal_(layers[kind].router.gate.weight)
         layers[kind](x)
     assert torch.allclose(moe_aux_loss([layers["pooled"]]), moe_aux_loss([layers["global"]]))
@@ -144,15 +158,42 @@ def test_balancing_losses_follow_their_formulas():
 def test_flavors_have_the_published_shapes_and_count_active_flops():
     """config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B; 30.5B/3.3B and 235B/22B parameters."""
     published = {
-        "qwen3_30b_a3b": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                              head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                              num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=40960),
-        "qwen3_235b_a22b": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
-                                head_dim=128, intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
-                                num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=40960),
+        "qwen3_30b_a3b": dict(
+            hidden_size=2048,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+        ),
+        "qwen3_235b_a22b": dict(
+            hidden_size=4096,
+            num_hidden_layers=94,
+            num_attention_heads=64,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_experts=128,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+        ),
     }
-    common = dict(norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
-                  decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001)
+    common = dict(
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+    )
     for name, shape in published.items():
         config = hf.hf_config(get_flavor(name))
         assert {k: config[k] for k in {**shape, **common}} == {**shape, **common}, name

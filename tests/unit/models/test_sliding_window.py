@@ -4,18 +4,27 @@ import pytest
 import torch
 
 from helpers import TINY, losses
-from parity import TOL, check_case, run_layout
-from lit_titan.models.llama3.flops import flops_per_token
 from lit_titan.config import compose, validate
 from lit_titan.errors import ConfigError
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.attention import attention_mask
+from lit_titan.models.llama3.flops import flops_per_token
+from parity import TOL, check_case, run_layout
 
 
 def _stage(n_layers: int, window: int | None, pattern: int | None = None, attention: str = "sdpa") -> Transformer:
     """The model without its embedding (a first pipeline stage's view): takes hidden states, so their grads exist."""
-    args = get_flavor("llama3_debug", dim=64, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=128,
-                      sliding_window=window, window_pattern=pattern, attention=attention)
+    args = get_flavor(
+        "llama3_debug",
+        dim=64,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=128,
+        sliding_window=window,
+        window_pattern=pattern,
+        attention=attention,
+    )
     model = Transformer(args)
     model.init_weights(seed=0)
     model.tok_embeddings = None
@@ -34,8 +43,8 @@ def test_gradient_is_exactly_zero_outside_the_window(n_layers, window):
     reach = n_layers * (window - 1)  # each layer looks window-1 tokens further back
     g = _input_grad(_stage(n_layers, window), t)
     assert torch.all(g[: t - reach] == 0), g
-    assert torch.all(g[t - reach: t + 1] > 0), g
-    assert torch.all(g[t + 1:] == 0)  # still causal
+    assert torch.all(g[t - reach : t + 1] > 0), g
+    assert torch.all(g[t + 1 :] == 0)  # still causal
     # without the window the same token reads the whole prefix
     assert torch.all(_input_grad(_stage(n_layers, None), t)[: t + 1] > 0)
 
@@ -82,9 +91,11 @@ def test_window_longer_than_seq_len_one_line():
 # Parity (tests/support/parity.py): every layout's pre-clip gradients, clip norm, weights and losses equal a one-process
 # run of the same window, seed and global batch, in parity.PARITY's regime (lr 1e-2, clipping engaged).
 WINDOW = ["model.sliding_window=8"]
-LAYOUTS = {"dp2_tp2": ["cluster.devices=4", "parallel.tp=2"],
-           "pp2_accum2": ["cluster.devices=2", "parallel.pp=2", "data.micro_batch_size=4"],
-           "cp2": ["cluster.devices=2", "parallel.cp=2"]}
+LAYOUTS = {
+    "dp2_tp2": ["cluster.devices=4", "parallel.tp=2"],
+    "pp2_accum2": ["cluster.devices=2", "parallel.pp=2", "data.micro_batch_size=4"],
+    "cp2": ["cluster.devices=2", "parallel.cp=2"],
+}
 
 
 @pytest.mark.parity

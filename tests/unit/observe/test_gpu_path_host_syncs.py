@@ -26,8 +26,14 @@ STEPS = 8
 EVERY = 4
 # Gradient accumulation 2 (two micro-batches per step), the progress bar on, and the per-step
 # callbacks of the fault-tolerance kit next to the default throughput monitor.
-RUN = [*TINY, f"trainer.max_steps={STEPS}", "data.global_batch_size=8", "trainer.enable_progress_bar=true",
-       "callbacks=[throughput,straggler,watchdog]", f"callbacks.straggler.every_n_steps={EVERY}"]
+RUN = [
+    *TINY,
+    f"trainer.max_steps={STEPS}",
+    "data.global_batch_size=8",
+    "trainer.enable_progress_bar=true",
+    "callbacks=[throughput,straggler,watchdog]",
+    f"callbacks.straggler.every_n_steps={EVERY}",
+]
 TRAIN_COLUMNS = ("train/loss", "train/grad_norm", "train/lr", "train/tokens_seen")
 
 
@@ -78,8 +84,9 @@ def _check_counts(report: dict, who: str, world: int = 1) -> None:
         assert guard == {"host_reads": 1, "collectives": int(world > 1)}, (who, step, guard)
         found = {k: v - guard.get(k, 0) for k, v in found.items()}
         if step % EVERY:
-            assert not any(found.values()), (f"{who}: non-logging step {step} has {found}: "
-                                             f"{report['callers'].get(str(step))}")
+            assert not any(found.values()), (
+                f"{who}: non-logging step {step} has {found}: {report['callers'].get(str(step))}"
+            )
         else:  # the counters see what logging steps do: the mechanism is alive
             assert found["host_reads"] and found["logs"] and found["collectives"], (who, step, found)
 
@@ -91,8 +98,9 @@ def _logging_rows(rows: list[dict[str, str]]) -> dict[int, dict[str, str]]:
 
 def test_non_logging_steps_read_nothing_and_log_the_same_values(tmp_path, monkeypatch, every_step):
     run_dir = tmp_path / "every4"
-    report = _in_process(run_dir, [*RUN, "data.micro_batch_size=4", f"trainer.log_every_n_steps={EVERY}"],
-                         monkeypatch, count=True)
+    report = _in_process(
+        run_dir, [*RUN, "data.micro_batch_size=4", f"trainer.log_every_n_steps={EVERY}"], monkeypatch, count=True
+    )
     _check_counts(report, "1 process")
 
     rows = read_metrics(run_dir)
@@ -109,8 +117,17 @@ def test_non_logging_steps_read_nothing_and_log_the_same_values(tmp_path, monkey
 def test_two_gloo_processes_issue_no_logging_collective_between_logging_steps(tmp_path, every_step):
     run_dir = tmp_path / "dp2"
     run_dir.mkdir()
-    cmd = [sys.executable, str(SCRIPT), str(run_dir), *RUN, "cluster.devices=2", "parallel.dp_shard=2",
-           "data.micro_batch_size=2", f"trainer.log_every_n_steps={EVERY}", f"run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        str(run_dir),
+        *RUN,
+        "cluster.devices=2",
+        "parallel.dp_shard=2",
+        "data.micro_batch_size=2",
+        f"trainer.log_every_n_steps={EVERY}",
+        f"run_dir={run_dir}",
+    ]
     proc = run_job(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
@@ -134,8 +151,17 @@ def test_pipeline_sums_the_last_stage_loss_only_on_logging_steps(tmp_path, every
     """pp2: the loss lives on the last stage; its all-reduce over the pp group waits for a logging step."""
     run_dir = tmp_path / "pp2"
     run_dir.mkdir()
-    cmd = [sys.executable, str(SCRIPT), str(run_dir), *RUN, "cluster.devices=2", "parallel.pp=2",
-           "data.micro_batch_size=4", f"trainer.log_every_n_steps={EVERY}", f"run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        str(run_dir),
+        *RUN,
+        "cluster.devices=2",
+        "parallel.pp=2",
+        "data.micro_batch_size=4",
+        f"trainer.log_every_n_steps={EVERY}",
+        f"run_dir={run_dir}",
+    ]
     proc = run_job(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
@@ -168,8 +194,16 @@ def test_one_loader_worker_streams_the_same_batches_and_cuda_pins(tmp_path):
 
     from lit_titan.data import PretrainDataModule
 
-    dm = PretrainDataModule(seq_len=32, global_batch_size=8, max_bytes=300_000, data_dir=os.environ["LIT_TITAN_CACHE"],
-                            tokenizer={"kind": "bpe", "vocab_size": 512}, model_vocab_size=512, dp_rank=1, dp_size=2)
+    dm = PretrainDataModule(
+        seq_len=32,
+        global_batch_size=8,
+        max_bytes=300_000,
+        data_dir=os.environ["LIT_TITAN_CACHE"],
+        tokenizer={"kind": "bpe", "vocab_size": 512},
+        model_vocab_size=512,
+        dp_rank=1,
+        dp_size=2,
+    )
     dm.prepare_data()
     dm.setup("fit")
     streams = {}

@@ -15,16 +15,23 @@ from pathlib import Path
 
 import pytest
 
+from helpers import TINY, read_metrics, run_job
 from lit_titan.callbacks.profiler import profile_windows
 from lit_titan.callbacks.timeline import TIMELINE_COLUMNS
 from lit_titan.errors import ConfigError
 from lit_titan.observe.phases import PHASES, PhaseClock
 
-from helpers import TINY, read_metrics, run_job
-
-TWO_RANKS = [*TINY, "cluster.devices=2", "parallel.dp_shard=2", "seed=0", "trainer.max_steps=6",
-             "callbacks=[throughput,timeline,profiler]", "callbacks.profiler.steps=[3,4]",
-             "checkpoint.every_n_steps=4", "trainer.limit_val_batches=0"]
+TWO_RANKS = [
+    *TINY,
+    "cluster.devices=2",
+    "parallel.dp_shard=2",
+    "seed=0",
+    "trainer.max_steps=6",
+    "callbacks=[throughput,timeline,profiler]",
+    "callbacks.profiler.steps=[3,4]",
+    "checkpoint.every_n_steps=4",
+    "trainer.limit_val_batches=0",
+]
 NAMED = {"lit_titan/data", "lit_titan/forward", "lit_titan/backward", "lit_titan/grad_clip", "lit_titan/optimizer"}
 
 
@@ -65,21 +72,37 @@ def test_phase_clock_reports_exclusive_phases_that_add_up_to_the_step():
 def test_profile_windows_and_their_bad_settings():
     assert profile_windows(10, [3, 4], None, 2) == [(3, 4)]
     assert profile_windows(10, None, 4, 2) == [(4, 5), (8, 9)]
-    for steps, every, message in (([8, 12], None, "trainer.max_steps=10"), ([4, 3], None, "1 <= FIRST <= LAST"),
-                                  ([3, 4], 5, "not both"), (None, 20, "every_n_steps=20"), (None, None, "needs")):
+    for steps, every, message in (
+        ([8, 12], None, "trainer.max_steps=10"),
+        ([4, 3], None, "1 <= FIRST <= LAST"),
+        ([3, 4], 5, "not both"),
+        (None, 20, "every_n_steps=20"),
+        (None, None, "needs"),
+    ):
         with pytest.raises(ValueError, match=re.escape(message)):
             profile_windows(10, steps, every, 2)
 
 
 @pytest.mark.slow  # a command line: its imports take 10-20 s on 2 busy cores
 def test_a_profile_window_outside_the_run_is_one_line_before_anything_starts(tmp_path):
-    proc = run_job([sys.executable, "-m", "lit_titan.train", *TINY, "trainer.max_steps=5",
-                    "callbacks=[profiler]", "callbacks.profiler.steps=[4,9]", f"run_dir={tmp_path / 'r'}"],
-                   timeout=120)
+    proc = run_job(
+        [
+            sys.executable,
+            "-m",
+            "lit_titan.train",
+            *TINY,
+            "trainer.max_steps=5",
+            "callbacks=[profiler]",
+            "callbacks.profiler.steps=[4,9]",
+            f"run_dir={tmp_path / 'r'}",
+        ],
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "lit-titan: error: callbacks.profiler.steps=[4, 9]: ends after the run's last step (trainer.max_steps=5); "
-        "choose steps within 1..5")
+        "choose steps within 1..5"
+    )
     assert not (tmp_path / "r").exists()
 
 
@@ -152,8 +175,17 @@ def test_report_plots_the_runs_own_numbers(observed_run, tmp_path):
 
     page = make_report(observed_run).read_text()
     figs = _figures(page)
-    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_heatmap", "phases", "data_wait", "memory",
-            "checkpoint"} <= set(figs), sorted(figs)
+    assert {
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "step_time_heatmap",
+        "phases",
+        "data_wait",
+        "memory",
+        "checkpoint",
+    } <= set(figs), sorted(figs)
     metrics = [r for r in read_metrics(observed_run) if r.get("train/loss")]
     loss = figs["loss"]["series"]["train/loss"]
     assert loss["x"] == [int(r["step"]) + 1 for r in metrics]
@@ -164,13 +196,14 @@ def test_report_plots_the_runs_own_numbers(observed_run, tmp_path):
     for rank in (0, 1):
         assert heat["z"][rank] == pytest.approx([r["wall_s"] for r in timelines[rank]], rel=1e-6)
         assert figs["memory"]["series"][f"rank {rank}"]["y"] == pytest.approx(
-            [r["peak_mem_mib"] for r in timelines[rank]], rel=1e-6)
+            [r["peak_mem_mib"] for r in timelines[rank]], rel=1e-6
+        )
         assert figs["checkpoint"]["series"][f"rank {rank}"]["x"] == [5]
     phases = figs["phases"]["series"]
     assert phases["backward"]["x"] == [0, 1]
     assert phases["backward"]["y"][1] == pytest.approx(sum(r["backward_s"] for r in timelines[1]) / 6, rel=1e-6)
     # every figure is drawn: its series names are SVG ids in the page, nothing is fetched from outside
-    assert "id=\"series:train/loss\"" in page and "id=\"series:rank 1\"" in page and "id=\"series:wall_s\"" in page
+    assert 'id="series:train/loss"' in page and 'id="series:rank 1"' in page and 'id="series:wall_s"' in page
     assert not re.search(r"(src|href)=['\"]https?://", page)
     assert "profile/step-000003/rank-1.json.gz" in page and "dp_shard: 2" in page
     # the run's figures (summary.json) and the model's shape from its flavor, not only its name
@@ -204,11 +237,20 @@ def test_the_report_renders_in_headless_chromium(observed_run, tmp_path):
 
     page = make_report(observed_run)
     shot = tmp_path / "report.png"
-    cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-           "--window-size=1400,2400", f"--screenshot={shot}", page.as_uri()]
+    cmd = [
+        "chromium",
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--window-size=1400,2400",
+        f"--screenshot={shot}",
+        page.as_uri(),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    dom = subprocess.run([*cmd[:5], "--dump-dom", page.as_uri()], check=True, capture_output=True, text=True,
-                         timeout=120).stdout
+    dom = subprocess.run(
+        [*cmd[:5], "--dump-dom", page.as_uri()], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
     assert dom.count("<svg") >= 9 and "series:train/loss" in dom
     assert shot.stat().st_size > 50_000  # a page of plots, not a blank one
 
@@ -218,9 +260,21 @@ def test_the_report_renders_in_headless_chromium(observed_run, tmp_path):
 def test_cuda_timeline_events_and_memory_snapshot(tmp_path):
     """One GPU: CUDA-event phases, the allocator's peaks, and the window's memory snapshot."""
     run_dir = tmp_path / "gpu"
-    proc = run_job([sys.executable, "-m", "lit_titan.train", *TINY, "cluster=gpu_1", "trainer.max_steps=6",
-                    "trainer.log_every_n_steps=1", "callbacks=[throughput,timeline,profiler]",
-                    "callbacks.profiler.steps=[3,4]", f"run_dir={run_dir}"], timeout=600)
+    proc = run_job(
+        [
+            sys.executable,
+            "-m",
+            "lit_titan.train",
+            *TINY,
+            "cluster=gpu_1",
+            "trainer.max_steps=6",
+            "trainer.log_every_n_steps=1",
+            "callbacks=[throughput,timeline,profiler]",
+            "callbacks.profiler.steps=[3,4]",
+            f"run_dir={run_dir}",
+        ],
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _timeline(run_dir, 0)
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -228,6 +282,10 @@ def test_cuda_timeline_events_and_memory_snapshot(tmp_path):
         assert sum(r[f"{p}_s"] for p in PHASES) + r["other_s"] == pytest.approx(r["wall_s"], rel=1e-3, abs=1e-4)
         assert r["forward_s"] > 0 and r["peak_reserved_mib"] >= r["peak_mem_mib"] > 0
     assert (run_dir / "profile" / "step-000003" / "rank-0.memory.pickle").stat().st_size > 0
-    names = {e.get("name", "") for e in json.loads(gzip.decompress(
-        (run_dir / "profile" / "step-000003" / "rank-0.json.gz").read_bytes()))["traceEvents"]}
+    names = {
+        e.get("name", "")
+        for e in json.loads(gzip.decompress((run_dir / "profile" / "step-000003" / "rank-0.json.gz").read_bytes()))[
+            "traceEvents"
+        ]
+    }
     assert NAMED <= names

@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader
 
 import lit_titan
 from lit_titan.callbacks.throughput import ThroughputMonitor
+from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.flops import count_params, flops_per_token
 from lit_titan.observe.throughput import peak_bf16_tflops, per_device_throughput
-from lit_titan.models.llama3 import Transformer, get_flavor
 
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
 
@@ -49,18 +49,21 @@ def test_flops_per_token_llama3_8b():
     assert expected / 1e9 == pytest.approx(57.914, abs=0.001)  # ~58 GFLOPs per token
 
 
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H100 80GB HBM3", 989.0),
-    ("NVIDIA H100 PCIe", 756.0),
-    ("NVIDIA H100 NVL", 835.0),
-    ("NVIDIA H200", 989.0),
-    ("NVIDIA A100-SXM4-80GB", 312.0),
-    ("NVIDIA A100 80GB PCIe", 312.0),
-    ("NVIDIA B200", 2250.0),
-    ("NVIDIA GeForce RTX 4090", None),
-    ("cpu", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA B200", 2250.0),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("cpu", None),
+        ("", None),
+    ],
+)
 def test_peak_bf16_tflops(name, peak):
     assert peak_bf16_tflops(name) == peak
 
@@ -89,9 +92,16 @@ def _fit(tmp_path: Path, max_steps: int, accumulate: int = 1) -> tuple[Throughpu
     module = lit_titan.PretrainModule("llama3_debug", TINY)
     monitor = ThroughputMonitor()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=accumulate,
-        logger=CSVLogger(tmp_path, name="", version=""), callbacks=[monitor], log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        callbacks=[monitor],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         limit_val_batches=0,
     )
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))

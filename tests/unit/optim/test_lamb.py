@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from helpers import TINY, losses, read_metrics
-from parity import PARITY, RESUME_STEP, STEPS, check_case, run_dump, run_reference
 from lit_titan.config import compose, validate
 from lit_titan.errors import ConfigError
-from lit_titan.optim.lamb import Lamb
 from lit_titan.optim.build import OptimConfig, build_optimizer
+from lit_titan.optim.lamb import Lamb
+from parity import PARITY, RESUME_STEP, STEPS, check_case, run_dump, run_reference
 
 
 def _paper_lamb(params, grads_per_step, lr, betas, eps, wd):
@@ -29,8 +29,8 @@ def _paper_lamb(params, grads_per_step, lr, betas, eps, wd):
             g = g.double()
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g * g
-            m_hat = m[i] / (1 - b1 ** t)
-            v_hat = v[i] / (1 - b2 ** t)
+            m_hat = m[i] / (1 - b1**t)
+            v_hat = v[i] / (1 - b2**t)
             r = m_hat / (v_hat.sqrt() + eps) + wd[i] * w[i]
             w_norm, r_norm = w[i].norm().item(), r.norm().item()
             trust = w_norm / r_norm if w_norm > 0 and r_norm > 0 else 1.0
@@ -131,7 +131,10 @@ def test_lamb_resumes_into_another_layout(reference, tmp_path, worlds):
     """Saved by one process at step 4, resumed under dp2 x tp2 (LAMB's moments and step counts resharded
     by DCP onto FSDP x TP shards): steps 4-7 have the uninterrupted run's gradients and weights."""
     ckpt = reference / "checkpoints" / f"step-{RESUME_STEP:06d}"
-    run_dump(worlds, [*PARITY, *LAMB, "cluster.devices=4", "parallel.tp=2", "checkpoint.enabled=false",
-                      f"resume={ckpt}"], tmp_path)
+    run_dump(
+        worlds,
+        [*PARITY, *LAMB, "cluster.devices=4", "parallel.tp=2", "checkpoint.enabled=false", f"resume={ckpt}"],
+        tmp_path,
+    )
     assert [int(r["step"]) for r in read_metrics(tmp_path)] == list(range(RESUME_STEP, STEPS))  # continues
     check_case("lamb_resume_dp2_tp2", reference, tmp_path)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from helpers import run_job
-
 from lit_titan.planner import REQUIRED_KEYS
 from paths import ROOT
 
@@ -25,8 +24,11 @@ def plan_405b(tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("plan405")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = run_job([sys.executable, "-m", "lit_titan.cli", "plan", "+recipe=llama3_405b_h100_512",
-                           f"run_dir={run_dir}"], cwd=ROOT, timeout=120)
+    proc = run_job(
+        [sys.executable, "-m", "lit_titan.cli", "plan", "+recipe=llama3_405b_h100_512", f"run_dir={run_dir}"],
+        cwd=ROOT,
+        timeout=120,
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     elapsed = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -49,8 +51,9 @@ def test_405b_on_512_recipe(plan_405b):
     assert isinstance(plan["fits"], bool)
     assert plan["flops_per_token"] > 6 * 400e9
     pr = plan["per_rank"]
-    assert pr["total_bytes"] == sum(pr[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
-                                                     "activation_bytes", "fsdp_buffer_bytes"))
+    assert pr["total_bytes"] == sum(
+        pr[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "fsdp_buffer_bytes")
+    )
     # fp32 master weights, grads alike, AdamW two fp32 states
     assert pr["param_dtype"] == "float32"
     assert pr["param_bytes"] == 4 * pr["param_numel"]
@@ -80,8 +83,12 @@ def test_405b_placements_come_from_titan_strategy(plan_405b):
     w2 = ex["layers.0.feed_forward.w2.weight"]
     assert w2["local_shape"] == [16384 // 8, 53248 // 8]  # FSDP on dim 0, RowwiseParallel on dim 1
     assert w2["placements"] == ["S(0)", "S(1)"]
-    assert plan["pipeline"] == {"schedule": "Interleaved1F1B", "stages_per_rank": 2, "microbatches": 32,
-                                "num_stages": 16}
+    assert plan["pipeline"] == {
+        "schedule": "Interleaved1F1B",
+        "stages_per_rank": 2,
+        "microbatches": 32,
+        "num_stages": 16,
+    }
     assert plan["per_rank"]["stage_ids"] == [0, 8]
     assert plan["transforms"]["activation_checkpointing"] == "full"
     assert plan["transforms"]["float8_linears"] > 0
@@ -91,8 +98,9 @@ def test_405b_placements_come_from_titan_strategy(plan_405b):
 def test_8b_on_one_node_fits(tmp_path):
     from lit_titan.cli.plan import make_plan
 
-    plan = make_plan(["+recipe=llama3_8b_h100_8", "data.micro_batch_size=1", "data.global_batch_size=8",
-                      f"run_dir={tmp_path}"])
+    plan = make_plan(
+        ["+recipe=llama3_8b_h100_8", "data.micro_batch_size=1", "data.global_batch_size=8", f"run_dir={tmp_path}"]
+    )
     assert plan["fits"] is True, plan["reasons"]
     assert plan["mesh"]["dp_shard"] == 8 and plan["world_size"] == 8
     assert plan["params_total"] == 8_030_261_248
@@ -103,8 +111,9 @@ def test_8b_on_one_node_fits(tmp_path):
 def test_405b_on_one_node_does_not_fit(tmp_path):
     from lit_titan.cli.plan import make_plan
 
-    plan = make_plan(["model=llama3_405b", "cluster=h100_8", "data.seq_len=8192", "data.global_batch_size=8",
-                      f"run_dir={tmp_path}"])
+    plan = make_plan(
+        ["model=llama3_405b", "cluster=h100_8", "data.seq_len=8192", "data.global_batch_size=8", f"run_dir={tmp_path}"]
+    )
     assert plan["fits"] is False
     assert any("memory" in r for r in plan["reasons"])
     assert plan["per_rank"]["total_bytes"] > 80 * 1024**3
@@ -114,13 +123,30 @@ def test_invalid_layouts_are_reasons_not_crashes(tmp_path):
     from lit_titan.cli.plan import make_plan
 
     # tp=16 does not divide Llama 3.1's 8 kv heads
-    plan = make_plan(["model=llama3_70b", "cluster=h100_128", "parallel.tp=16", "data.seq_len=8192",
-                      "data.global_batch_size=64", f"run_dir={tmp_path}"])
+    plan = make_plan(
+        [
+            "model=llama3_70b",
+            "cluster=h100_128",
+            "parallel.tp=16",
+            "data.seq_len=8192",
+            "data.global_batch_size=64",
+            f"run_dir={tmp_path}",
+        ]
+    )
     assert plan["fits"] is False
     assert any("n_kv_heads=8" in r for r in plan["reasons"])
     # degrees that do not multiply to the world size: no mesh can be built, still a plan
-    plan = make_plan(["model=llama3_8b", "cluster=h100_64", "parallel.tp=8", "parallel.dp_shard=3",
-                      "data.seq_len=8192", "data.global_batch_size=64", f"run_dir={tmp_path}"])
+    plan = make_plan(
+        [
+            "model=llama3_8b",
+            "cluster=h100_64",
+            "parallel.tp=8",
+            "parallel.dp_shard=3",
+            "data.seq_len=8192",
+            "data.global_batch_size=64",
+            f"run_dir={tmp_path}",
+        ]
+    )
     assert plan["fits"] is False
     assert any("world size is 64" in r for r in plan["reasons"])
     assert plan["per_rank"]["total_bytes"] is None
@@ -154,8 +180,11 @@ def test_launch_dry_run_prints_the_profile_command(tmp_path, capsys):
     assert "#SBATCH --nodes=64" in fleet and "srun --kill-on-bad-exit=1 python -m lit_titan.train" in fleet
     assert "resume=auto" in fleet and "for attempt in" in fleet
     # through the command line: a layout that cannot work is one error line, exit 2
-    bad = run_job([sys.executable, "-m", "lit_titan.cli", "launch", "--dry-run", "cluster=h100_8", "parallel.tp=3"],
-                  cwd=ROOT, timeout=120)
+    bad = run_job(
+        [sys.executable, "-m", "lit_titan.cli", "launch", "--dry-run", "cluster=h100_8", "parallel.tp=3"],
+        cwd=ROOT,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "lit-titan: error:" in bad.stderr
 
 
@@ -173,8 +202,12 @@ def test_a_plan_change_shows_in_planner_and_training(tmp_path, worlds):
     out = {mode: tmp_path / f"{mode}.json" for mode in ("plan", "train")}
     plan_change(["plan", str(out["plan"]), *layout, f"run_dir={tmp_path / 'plan'}"])
     assert _plan_examples(layout, tmp_path) == stock  # the change did not outlive its run
-    worlds.run(4, "scripts.plan_change:main", ["train", str(out["train"]), *layout, f"run_dir={tmp_path / 'train'}"],
-               timeout=300)
+    worlds.run(
+        4,
+        "scripts.plan_change:main",
+        ["train", str(out["train"]), *layout, f"run_dir={tmp_path / 'train'}"],
+        timeout=300,
+    )
     planned, trained = (json.loads(out[m].read_text()) for m in ("plan", "train"))
     emb = "tok_embeddings.weight"
     assert stock[emb]["placements"][-1] == "S(0)"  # RowwiseParallel: the vocabulary on tp
@@ -192,8 +225,12 @@ def _plan_examples(overrides: list[str], tmp_path: Path) -> dict:
 
 # ---- search -----------------------------------------------------------------------------------------
 
-DEBUG_LAYOUTS = [dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B"), dict(pp=1, dp_shard=2, cp=2, tp=2),
-                 dict(pp=1, dp_replicate=2, dp_shard=2, tp=2), dict(pp=2, dp_shard=4, pp_schedule="1F1B")]
+DEBUG_LAYOUTS = [
+    dict(pp=2, dp_shard=2, tp=2, pp_schedule="Interleaved1F1B"),
+    dict(pp=1, dp_shard=2, cp=2, tp=2),
+    dict(pp=1, dp_replicate=2, dp_shard=2, tp=2),
+    dict(pp=2, dp_shard=4, pp_schedule="1F1B"),
+]
 
 
 @pytest.mark.parametrize("layout", DEBUG_LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
@@ -204,13 +241,31 @@ def test_analytic_layout_matches_the_meta_build(layout):
     from lit_titan.planner.analytic import analytic_layout
     from lit_titan.planner.build import build_layout
 
-    cfg = compose(["cluster.devices=8", "data.seq_len=64", "data.global_batch_size=16", "callbacks=[]",
-                   *(f"parallel.{k}={v}" for k, v in layout.items())])
+    cfg = compose(
+        [
+            "cluster.devices=8",
+            "data.seq_len=64",
+            "data.global_batch_size=16",
+            "callbacks=[]",
+            *(f"parallel.{k}={v}" for k, v in layout.items()),
+        ]
+    )
     args, dims = model_args(cfg), parallel_dims(cfg)
     built = build_layout(cfg, args, dims, [])
     ana = analytic_layout(args, dims, pipeline_config(cfg) if dims.pp > 1 else None, precision=str(cfg.precision))
-    for key in ("params_total", "local_numel", "local_param_bytes", "fsdp_applied", "layers_on_rank", "stage_ids",
-                "num_stages", "pp_rank_numel", "pp_rank_layers", "pp_rank_has_output", "largest_unit_numel"):
+    for key in (
+        "params_total",
+        "local_numel",
+        "local_param_bytes",
+        "fsdp_applied",
+        "layers_on_rank",
+        "stage_ids",
+        "num_stages",
+        "pp_rank_numel",
+        "pp_rank_layers",
+        "pp_rank_has_output",
+        "largest_unit_numel",
+    ):
         assert getattr(ana, key) == getattr(built, key), key
 
 
@@ -226,19 +281,35 @@ def test_search_puts_the_pipeline_across_a_slow_link():
     memory to spare, many micro-batches. Pipeline parallelism is the only degree whose traffic (p2p) stays
     off the per-block collectives, so the best layout is pp2 across the nodes with the data/tensor
     parallelism inside each node; every layout that spans the nodes with FSDP/HSDP/TP/CP is slower."""
-    cluster = ["cluster=h100_8", "cluster.devices=2", "cluster.num_nodes=2", "cluster.gpus_per_node=2",
-               "cluster.inter_node_gbps=0.05", "cluster.fp8=false"]
+    cluster = [
+        "cluster=h100_8",
+        "cluster.devices=2",
+        "cluster.num_nodes=2",
+        "cluster.gpus_per_node=2",
+        "cluster.inter_node_gbps=0.05",
+        "cluster.fp8=false",
+    ]
     res = _search([*cluster, "model=llama3_8b", "data.seq_len=2048", "data.global_batch_size=64"], confirm=1)
     best = res["winner"]
     assert best["mesh"]["pp"] == 2 and best["mesh"]["dp_replicate"] == 1, best["layout"]
     assert best["confirmed"]["fits"] is True
     assert res["fitting"] > 10 and len(res["top"]) == 10
     assert [r["tokens_per_sec_per_device"] for r in res["top"]] == sorted(
-        (r["tokens_per_sec_per_device"] for r in res["top"]), reverse=True)
+        (r["tokens_per_sec_per_device"] for r in res["top"]), reverse=True
+    )
     assert res["runner_up_lost"].startswith("runner-up ")
     # the same search with the inter-node link as fast as NVLink: nothing forces the pipeline, no bubble wins
-    fast = _search([*cluster[:-2], "cluster.inter_node_gbps=450", "cluster.fp8=false", "model=llama3_8b",
-                    "data.seq_len=2048", "data.global_batch_size=64"], confirm=0)
+    fast = _search(
+        [
+            *cluster[:-2],
+            "cluster.inter_node_gbps=450",
+            "cluster.fp8=false",
+            "model=llama3_8b",
+            "data.seq_len=2048",
+            "data.global_batch_size=64",
+        ],
+        confirm=0,
+    )
     assert fast["winner"]["mesh"]["pp"] == 1, fast["winner"]["layout"]
 
 
@@ -249,8 +320,22 @@ def test_search_405b_on_512_cli(tmp_path):
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = run_job([sys.executable, "-m", "lit_titan.cli", "plan", "search=true", "model=llama3_405b", "cluster=h100_512",
-                    "data.seq_len=8192", "data.global_batch_size=256", f"run_dir={tmp_path}"], cwd=ROOT, timeout=600)
+    proc = run_job(
+        [
+            sys.executable,
+            "-m",
+            "lit_titan.cli",
+            "plan",
+            "search=true",
+            "model=llama3_405b",
+            "cluster=h100_512",
+            "data.seq_len=8192",
+            "data.global_batch_size=256",
+            f"run_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        timeout=600,
+    )
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -266,8 +351,22 @@ def test_search_405b_on_512_cli(tmp_path):
 
 
 def test_search_no_layout_fits_names_the_closest(tmp_path):
-    proc = run_job([sys.executable, "-m", "lit_titan.cli", "plan", "search=true", "model=llama3_405b", "cluster=h100_8",
-                    "data.seq_len=8192", "data.global_batch_size=8", f"run_dir={tmp_path}"], cwd=ROOT, timeout=300)
+    proc = run_job(
+        [
+            sys.executable,
+            "-m",
+            "lit_titan.cli",
+            "plan",
+            "search=true",
+            "model=llama3_405b",
+            "cluster=h100_8",
+            "data.seq_len=8192",
+            "data.global_batch_size=8",
+            f"run_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 2
     err = [line for line in proc.stderr.splitlines() if line.startswith("lit-titan: error:")]
     assert len(err) == 1, proc.stderr[-2000:]
@@ -275,6 +374,7 @@ def test_search_no_layout_fits_names_the_closest(tmp_path):
 
 
 # ---- calibration ------------------------------------------------------------------------------------
+
 
 def _fake_run(run_dir: Path, overrides: list[str], step_s: float, busy_s: float) -> None:
     """A run directory as training writes it (config.yaml, timeline/rank-0.csv) with given step times."""
@@ -286,8 +386,12 @@ def _fake_run(run_dir: Path, overrides: list[str], step_s: float, busy_s: float)
     (run_dir / "timeline").mkdir()
     rows = [",".join(TIMELINE_COLUMNS)]
     for step in range(1, 9):
-        vals = {"step": step, "wall_s": step_s * (5 if step == 1 else 1), "forward_s": busy_s / 2,
-                "backward_s": busy_s / 2}
+        vals = {
+            "step": step,
+            "wall_s": step_s * (5 if step == 1 else 1),
+            "forward_s": busy_s / 2,
+            "backward_s": busy_s / 2,
+        }
         rows.append(",".join(str(vals.get(c, 0)) for c in TIMELINE_COLUMNS))
     (run_dir / "timeline" / "rank-0.csv").write_text("\n".join(rows) + "\n")
 
@@ -295,8 +399,8 @@ def _fake_run(run_dir: Path, overrides: list[str], step_s: float, busy_s: float)
 def test_calibration_round_trip(tmp_path):
     """Step times generated by the model at known efficiencies -> calibrate -> the same efficiencies back,
     written to a file that plan.calibration=FILE reads into the plan and the search."""
-    from lit_titan.config import compose
     from lit_titan.cli.plan import main, make_plan
+    from lit_titan.config import compose
     from lit_titan.planner.calibrate import load_calibration, predict
     from lit_titan.planner.estimate import Efficiencies
 
@@ -318,7 +422,8 @@ def test_calibration_round_trip(tmp_path):
     plan = make_plan([*base, "cluster.devices=2", f"plan.calibration={out}", f"run_dir={tmp_path / 'p'}"])
     assert plan["assumptions"]["efficiencies"]["compute"] == eff.compute
     assert plan["perf"]["step_s"] == pytest.approx(
-        predict(compose([*base, "cluster.devices=2"]), eff)["step_s"], rel=1e-9)
+        predict(compose([*base, "cluster.devices=2"]), eff)["step_s"], rel=1e-9
+    )
     # the shipped TorchTitan calibration by name; a missing file is one clear line
     assert load_calibration("h100_torchtitan_202412").float8_linear_speedup > 1
     with pytest.raises(ValueError, match="plan.calibration=nope.yaml: no such file"):
@@ -345,8 +450,9 @@ def test_activation_estimate_matches_cpu_measurement():
     process group, torch's MemTracker) for AC none / selective_op / full, tp2, cp2 and pp2."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("activation_memory_cpu",
-                                                  ROOT / "benchmarks" / "activation_memory_cpu.py")
+    spec = importlib.util.spec_from_file_location(
+        "activation_memory_cpu", ROOT / "benchmarks" / "activation_memory_cpu.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     names = ["AC none", "AC selective_op", "AC full", "tp2", "cp2", "pp2 (1F1B, 2 micro-batches)"]

@@ -18,8 +18,9 @@ S, B, LAYERS = 40, 2, 4  # S differs from every model width (64, 16, 128, ...): 
 
 
 def _model(**kw) -> Transformer:
-    model = Transformer(get_flavor("llama3_debug", dim=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2, vocab_size=128,
-                                   **kw))
+    model = Transformer(
+        get_flavor("llama3_debug", dim=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2, vocab_size=128, **kw)
+    )
     model.init_weights(seed=0)
     return model
 
@@ -52,9 +53,16 @@ def _bool_masks(args, documents: torch.Tensor | None) -> int:
     return total
 
 
-@pytest.mark.parametrize("kw, docs", [({}, False), ({"sliding_window": 8}, False),
-                                      ({"sliding_window": 8, "window_pattern": 2}, False),
-                                      ({}, True), ({"sliding_window": 8, "window_pattern": 2}, True)])
+@pytest.mark.parametrize(
+    "kw, docs",
+    [
+        ({}, False),
+        ({"sliding_window": 8}, False),
+        ({"sliding_window": 8, "window_pattern": 2}, False),
+        ({}, True),
+        ({"sliding_window": 8, "window_pattern": 2}, True),
+    ],
+)
 def test_estimate_matches_the_masks_a_cpu_forward_keeps(kw, docs):
     model = _model(**kw)
     documents = torch.tensor([[0] * 15 + [1] * (S - 15), [0] * S]) if docs else None
@@ -67,8 +75,14 @@ def test_estimate_matches_the_masks_a_cpu_forward_keeps(kw, docs):
         assert saved == bools == 0  # plain causal: is_causal, nothing dense
 
 
-BASE = ["model=llama3_8b", "cluster=h100_8", "parallel.tp=8", "data.seq_len=32768", "data.global_batch_size=8",
-        "data.micro_batch_size=1"]
+BASE = [
+    "model=llama3_8b",
+    "cluster=h100_8",
+    "parallel.tp=8",
+    "data.seq_len=32768",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=1",
+]
 
 
 def _acts(*extra: str) -> dict:
@@ -90,6 +104,9 @@ def test_plan_counts_sdpa_masks_at_32k_and_not_flex_or_causal():
     # documents: the causal band [s, s] and this forward's [1, 1, s, s] bool, and the same additive copies
     assert docs["attention_mask_detail"] == {"bool": 2 * GIB, "saved": 32 * 2 * GIB, "per_layer": 2 * GIB}
     # full activation checkpointing: nothing saved across blocks, one block's copy while it recomputes
-    full = _acts("model.sliding_window=4096", "callbacks=[activation_checkpointing]",
-                 "callbacks.activation_checkpointing.mode=full")
+    full = _acts(
+        "model.sliding_window=4096",
+        "callbacks=[activation_checkpointing]",
+        "callbacks.activation_checkpointing.mode=full",
+    )
     assert full["attention_mask_detail"]["saved"] == 0 and full["recompute_peak"] >= 2 * GIB

@@ -31,8 +31,16 @@ LAYOUT = ["cluster.devices=4", "data.micro_batch_size=1"]
 
 def _run_with_probe(worlds, run_dir: Path, extra: list[str]) -> list[dict]:
     probe = run_dir / "probe"
-    run_layout(worlds, [*LAYOUT, *extra, "+callbacks.grad_probe._target_=scripts.grad_memory_probe.GradMemoryProbe",
-                        f"+callbacks.grad_probe.out={probe}"], run_dir)
+    run_layout(
+        worlds,
+        [
+            *LAYOUT,
+            *extra,
+            "+callbacks.grad_probe._target_=scripts.grad_memory_probe.GradMemoryProbe",
+            f"+callbacks.grad_probe.out={probe}",
+        ],
+        run_dir,
+    )
     return [json.loads((probe / f"rank{r}.json").read_text()) for r in range(4)]
 
 
@@ -74,11 +82,16 @@ def test_hsdp_accumulation_defers_only_the_all_reduce(tmp_path, worlds):
     assert c["all_reduces"] == c["fsdp_groups"] * c["steps"], c
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["parallel.grad_reduce_scatter=sometimes"], "parallel.grad_reduce_scatter=sometimes: not an option"),
-    (["cluster.devices=2", "parallel.pp=2", "parallel.grad_reduce_scatter=last_microbatch"],
-     "parallel.grad_reduce_scatter=every_microbatch"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["parallel.grad_reduce_scatter=sometimes"], "parallel.grad_reduce_scatter=sometimes: not an option"),
+        (
+            ["cluster.devices=2", "parallel.pp=2", "parallel.grad_reduce_scatter=last_microbatch"],
+            "parallel.grad_reduce_scatter=every_microbatch",
+        ),
+    ],
+)
 def test_bad_grad_reduce_scatter_is_one_config_error(overrides, needle):
     from lit_titan.config import ConfigError, compose, validate
 
@@ -155,8 +168,10 @@ def test_planner_gradient_term_follows_the_option(tmp_path):
     assert sharded["perf"]["fsdp_comm_s"] > unsharded["perf"]["fsdp_comm_s"]
     # without accumulation the option changes nothing
     one = [*PLAN_8B, "data.micro_batch_size=2"]
-    assert (make_plan(one, write=False)["per_rank"]["grad_bytes"]
-            == make_plan([*one, "parallel.grad_reduce_scatter=last_microbatch"], write=False)["per_rank"]["grad_bytes"])
+    assert (
+        make_plan(one, write=False)["per_rank"]["grad_bytes"]
+        == make_plan([*one, "parallel.grad_reduce_scatter=last_microbatch"], write=False)["per_rank"]["grad_bytes"]
+    )
 
 
 def test_planner_step_time_uses_the_optimizer_training_would_build():
@@ -174,8 +189,10 @@ def test_planner_step_time_uses_the_optimizer_training_would_build():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the planner reads its memory")
 def test_plan_without_hbm_facts_says_fit_unknown(tmp_path):
     """cluster=gpu_1 has no hbm_gib; with no GPU here the plan cannot judge the fit and says so."""
-    proc = run_job([sys.executable, "-m", "lit_titan.cli", "plan", "cluster=gpu_1", "model.n_layers=2",
-                    f"run_dir={tmp_path}"], timeout=300)
+    proc = run_job(
+        [sys.executable, "-m", "lit_titan.cli", "plan", "cluster=gpu_1", "model.n_layers=2", f"run_dir={tmp_path}"],
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fit unknown" in proc.stdout and "fits: False" not in proc.stdout, proc.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -217,8 +234,11 @@ def test_planner_reads_the_visible_gpu_when_the_profile_has_no_hbm(monkeypatch):
     assert hbm_gib({"accelerator": "gpu", "hbm_gib": 80}) == (80.0, "cluster.hbm_gib")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda i: SimpleNamespace(total_memory=int(79.2 * GIB), name="NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda i: SimpleNamespace(total_memory=int(79.2 * GIB), name="NVIDIA H100 80GB HBM3"),
+    )
     gib, source = hbm_gib({"accelerator": "gpu"})
     assert gib == pytest.approx(79.2) and "NVIDIA H100 80GB HBM3" in source
     assert hbm_gib({"accelerator": "cpu"}) == (None, None)  # a CPU profile is not judged against a GPU

@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 from lit_titan import PretrainModule, TitanStrategy
-from lit_titan.strategies.transforms import _SAVE_OPS, apply_activation_checkpointing
 from lit_titan.models.llama3 import Transformer, get_flavor
 from lit_titan.models.llama3.model import Attention, CoreAttention
 from lit_titan.strategies.precision import float32_matmul_precision
+from lit_titan.strategies.transforms import _SAVE_OPS, apply_activation_checkpointing
 
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
 ARGS = get_flavor("llama3_debug", **TINY)
@@ -59,9 +59,19 @@ def test_rope_tables_reach_attention_in_fp32_under_bf16_fsdp(precision):
     torch.manual_seed(0)
     batches = [torch.randint(0, 512, (2, 33)) for _ in range(2)]
     record = _RecordAttentionInputs()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, strategy=TitanStrategy(), precision=precision,
-                        logger=False, callbacks=[record], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        strategy=TitanStrategy(),
+        precision=precision,
+        logger=False,
+        callbacks=[record],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(PretrainModule("llama3_debug", TINY), train_dataloaders=DataLoader(batches, batch_size=None))
     assert trainer.strategy.fsdp_applied
     assert len(record.attention) == len(record.core) == TINY["n_layers"]
@@ -138,8 +148,9 @@ class _RecordSDPA(TorchDispatchMode):
 def _repeat_kv_attention(q, k, v):
     """The previous implementation: K/V materialised at query-head width."""
     n_rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1),
-                                          is_causal=True)
+    return F.scaled_dot_product_attention(
+        q, k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1), is_causal=True
+    )
 
 
 def test_gqa_attention_keeps_kv_heads_and_matches_repeated_kv():
@@ -198,8 +209,12 @@ def test_selective_op_recomputes_no_matmul_and_no_attention_in_backward():
 
 
 def test_save_list_names_every_attention_kernel_this_torch_has():
-    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ):
         if hasattr(torch.ops.aten, name):
             assert getattr(torch.ops.aten, name).default in _SAVE_OPS, name
     assert hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention")  # torch 2.11-2.15 all have it
