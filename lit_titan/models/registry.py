@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from lit_titan.strategies.plan import ParallelPlan
+    from lit_titan.strategies.parallel_plan import ParallelPlan
 
 
 class ModelArgsLike(Protocol):
@@ -55,7 +55,7 @@ class ModelSpec:
     model: Callable[[Any], nn.Module]  # args -> the nn.Module, no parallel code (built on meta)
     flavors: Mapping[str, Any]  # flavor name -> args
     get_flavor: Callable[..., Any]  # (name, **overrides) -> validated args; ValueError naming the fix
-    plan: ParallelPlan  # TP styles, blocks, FSDP / pipeline units (strategies/plan.py)
+    plan: ParallelPlan  # TP styles, blocks, FSDP / pipeline units (strategies/parallel_plan.py)
     hf: HFAdapter | None  # None: no Hugging Face counterpart (export and init_from_hf refuse it)
     count_params: Callable[[Any], int]  # whole model, analytic
     # (args, seq_len, num_params=None): training model FLOPs per token; num_params is the whole model's

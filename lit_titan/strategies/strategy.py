@@ -42,6 +42,7 @@ from lit_titan.strategies.fsdp import (
     mixed_precision_for,
 )
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
+from lit_titan.strategies.parallel_plan import ParallelPlan, plan_for
 from lit_titan.strategies.pipeline import (
     PipelineConfig,
     PipelineRunner,
@@ -50,7 +51,6 @@ from lit_titan.strategies.pipeline import (
     split_units,
     stage_ids,
 )
-from lit_titan.strategies.plan import ParallelPlan, plan_for
 from lit_titan.strategies.precision import float32_matmul_precision
 from lit_titan.strategies.settings import GRAD_REDUCE_SCATTER, ParallelConfig
 from lit_titan.strategies.tensor_parallel import StyleRewrite, apply_tensor_parallel

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from lit_titan.strategies.plan import ParallelPlan
+from lit_titan.strategies.parallel_plan import ParallelPlan
 
 # fn(fqn, module, style) -> style. ``fqn`` is the module's name in the model TP is applied to ("" for
 # that model itself), ``module`` the module the style will be applied to, ``style`` the plan's

@@ -13,7 +13,7 @@ import functools
 from torch import nn
 
 from lit_titan.models.llama3.model import Transformer
-from lit_titan.strategies.plan import ParallelPlan, register_plan
+from lit_titan.strategies.parallel_plan import ParallelPlan, register_plan
 
 
 def tp_root(model: nn.Module, loss_parallel: bool) -> dict:

@@ -21,7 +21,7 @@ import lightning as L
 from lit_titan.models.llama3 import Transformer
 from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
 from lit_titan.strategies import plan as registry
-from lit_titan.strategies.plan import register_plan
+from lit_titan.strategies.parallel_plan import register_plan
 
 
 def tp_root_colwise_embedding(model, loss_parallel):

@@ -21,7 +21,7 @@ import lit_titan
 from lit_titan.models import registry
 from lit_titan.strategies import TitanStrategy
 from lit_titan.strategies.contract import PlainStrategy, StrategyContract, contract
-from lit_titan.strategies.plan import ParallelPlan
+from lit_titan.strategies.parallel_plan import ParallelPlan
 
 
 @dataclass(frozen=True)

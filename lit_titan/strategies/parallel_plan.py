@@ -45,5 +45,5 @@ def plan_for(model: nn.Module) -> ParallelPlan:
             return _REGISTRY[cls]
     raise TypeError(
         f"no ParallelPlan registered for {type(model).__name__}; pass TitanStrategy(plan=...) or call "
-        f"lit_titan.strategies.plan.register_plan({type(model).__name__}, plan)"
+        f"lit_titan.strategies.parallel_plan.register_plan({type(model).__name__}, plan)"
     )
