@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lit_titan.loss import at_least_fp32
 from lit_titan.models.init import InitFn, canonical_name, normal, ones, seeded_init_
 from lit_titan.models.llama3.attention import attention_mask
 from lit_titan.models.llama3.model import CoreAttention, OutputHead
+from lit_titan.models.loss import at_least_fp32
 from lit_titan.models.moe import MoE, SwiGLU, moe_aux_loss
 from lit_titan.models.qwen3_moe.args import Qwen3MoEArgs
 
