@@ -36,9 +36,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lit_titan.callbacks._requires import transform_strategy
+from lit_titan.strategies.settings import FLOAT8_RECIPES
 from lit_titan.strategies.transforms import request_float8
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPES = FLOAT8_RECIPES  # declared torch-free in strategies/settings.py, which the config schema imports
 
 
 class Float8(L.Callback):

@@ -31,10 +31,10 @@ import time
 from omegaconf import DictConfig
 
 from lit_titan.config import compose, validate
+from lit_titan.config.schema import LAUNCHERS
 from lit_titan.errors import ConfigError
 from lit_titan.strategies.parallel_dims import LayoutError
 
-LAUNCHERS = ("torchrun", "srun")
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 

@@ -24,19 +24,18 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from lit_titan.optim.settings import SCHEDULES as LR_SCHEDULES
 from lit_titan.settings import setting
-from lit_titan.strategies.settings import ParallelConfig
+from lit_titan.strategies.settings import AC_MODES, FLOAT8_RECIPES, ParallelConfig
 
-# Choices the code accepts (kept in step with the modules that use them: tests/unit/config/test_schema.py compares).
+# Choices only the config checks. The choices a component checks itself are imported above from the
+# torch-free module that declares them; the launchers are the config's own (cli/launch.py imports them).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-LR_SCHEDULES = ("cosine", "wsd", "constant")
 CORPORA = ("stdlib", "text", "tokens", "mixture")
 TOKENIZER_KINDS = ("bpe", "hf", "shards")
 ATTENTIONS = ("sdpa", "flex")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 LAUNCHERS = ("torchrun", "srun")
-AC_MODES = ("none", "full", "selective_op", "selective_layer")
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 NONFINITE_ACTIONS = ("stop", "skip_step")
 OPTIMIZERS = ("adamw", "lamb")
 

@@ -10,6 +10,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lit_titan.optim.settings import SCHEDULES
+
 OPTIMIZERS = ("adamw", "lamb")
 
 
@@ -31,9 +33,6 @@ class OptimConfig:
     # null/None: fused AdamW when every parameter is on CUDA, else torch's default (adamw_implementation)
     foreach: bool | None = None
     fused: bool | None = None
-
-
-SCHEDULES = ("cosine", "wsd", "constant")
 
 
 def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:

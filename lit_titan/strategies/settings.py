@@ -21,6 +21,10 @@ PP_SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
 #   last_microbatch: only after the last one: one reduce-scatter per optimizer step, but between
 #     micro-batches every rank holds the *unsharded* gradients (reduce dtype) of its whole model.
 GRAD_REDUCE_SCATTER = ("every_microbatch", "last_microbatch")
+# Activation checkpointing modes (strategies/transforms.py) and Float8 recipes (callbacks/float8.py, torchao's
+# names): declared here, torch-free, so the config schema imports the lists the code checks against.
+AC_MODES = ("none", "full", "selective_op", "selective_layer")
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lit_titan.strategies.settings import AC_MODES
+
 __all__ = [
     "MODES",
     "apply_activation_checkpointing",
@@ -25,7 +27,7 @@ __all__ = [
     "request_float8",
 ]
 
-MODES = ("none", "full", "selective_op", "selective_layer")
+MODES = AC_MODES  # the settings module declares them (the schema imports them from there)
 
 # Outputs worth keeping in selective per-op mode: the matmuls and attention (expensive to
 # recompute, TorchTitan's choice), plus collectives (recomputing them would communicate again).
