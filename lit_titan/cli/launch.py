@@ -46,7 +46,7 @@ def check_cluster(cfg: DictConfig) -> None:
     c, p = cfg.cluster, cfg.parallel
     launcher = c.get("launcher", "torchrun")
     if launcher not in LAUNCHERS:
-        raise ConfigError(f"cluster.launcher={launcher!r} is not a launcher; choose one of {LAUNCHERS}")
+        raise ConfigError(f"cluster.launcher={launcher}: not an option; choose one of {', '.join(LAUNCHERS)}")
     nodes, per_node = int(c.num_nodes), int(c.devices)
     if nodes < 1 or per_node < 1:
         raise ConfigError(f"cluster.num_nodes={nodes} and cluster.devices={per_node} must both be >= 1")
