@@ -13,6 +13,7 @@ import functools
 import importlib
 import inspect
 import json
+import types
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -90,7 +91,7 @@ def check_groups(schema: type, data: dict[str, Any], prefix: str) -> None:
         if f.name not in data or data[f.name] is None or _is_interpolation(data[f.name]):
             continue
         value, path, kind = data[f.name], prefix + f.name, hints[f.name]
-        if typing.get_origin(kind) is typing.Union:  # Optional[Group]
+        if is_union(kind):  # Optional[Group]
             kind = next((a for a in typing.get_args(kind) if dataclasses.is_dataclass(a)), kind)
         if not dataclasses.is_dataclass(kind):
             continue
@@ -267,6 +268,12 @@ def _parent(schema: type, dotted: str) -> tuple[type | None, str]:
     return node, parts[-1]
 
 
+def is_union(kind: Any) -> bool:
+    """``Optional[X]`` and ``X | None`` alike: ``typing.get_origin`` tells them apart (``typing.Union`` and
+    ``types.UnionType``), and the schema is written in the second spelling."""
+    return typing.get_origin(kind) in (typing.Union, types.UnionType)
+
+
 def _type_of(schema: type, dotted: str) -> Any:
     node, name = _parent(schema, dotted.split("[")[0])
     return typing.get_type_hints(node).get(name) if node else None
@@ -274,9 +281,9 @@ def _type_of(schema: type, dotted: str) -> Any:
 
 def _list_item_type(kind: Any) -> Any:
     args = [a for a in typing.get_args(kind) if a is not type(None)]
-    if typing.get_origin(kind) in (list, list):
+    if typing.get_origin(kind) in (list,):
         return args[0] if args else None
-    if typing.get_origin(kind) is typing.Union and len(args) == 1:
+    if is_union(kind) and len(args) == 1:
         return _list_item_type(args[0])
     return None
 
@@ -285,12 +292,12 @@ def _type_name(kind: Any) -> str:
     if kind is None:
         return "another type"
     args = [a for a in typing.get_args(kind) if a is not type(None)]
-    if typing.get_origin(kind) is typing.Union and len(args) == 1:
+    if is_union(kind) and len(args) == 1:
         return f"{_type_name(args[0])} or null"
     origin = typing.get_origin(kind)
-    if origin in (list, list):
+    if origin in (list,):
         return "a list" + (f" of {_type_name(args[0])}" if args and args[0] is not Any else "")
-    if origin in (dict, dict):
+    if origin in (dict,):
         return "a mapping {key: value}"
     if dataclasses.is_dataclass(kind):
         return "a mapping {" + ", ".join(f.name for f in dataclasses.fields(kind)) + "}"

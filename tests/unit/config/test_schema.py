@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.config import ConfigError, compose, conf_dir, validate
 from lit_titan.config.schema import TARGET_SCHEMAS, TrainSchema
-from lit_titan.config.schema_check import field_types, rule_problem
+from lit_titan.config.schema_check import field_types, is_union, rule_problem
 from paths import ROOT
 
 GROUPS = ("model", "data", "optim", "cluster", "parallel", "callbacks", "logger", "profiler")
@@ -94,7 +94,7 @@ def bad_values(kind: Any, rule: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def _strip_optional(kind: Any) -> Any:
     args = [a for a in typing.get_args(kind) if a is not type(None)]
-    if typing.get_origin(kind) is typing.Union and len(args) == 1:
+    if is_union(kind) and len(args) == 1:
         return args[0]
     return typing.get_origin(kind) or kind
 
