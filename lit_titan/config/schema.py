@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from lit_titan.optim.settings import SCHEDULES as LR_SCHEDULES
+from lit_titan.optim.settings import OptimConfig
 from lit_titan.settings import setting
 from lit_titan.strategies.settings import AC_MODES, FLOAT8_RECIPES, ParallelConfig
 
@@ -37,7 +37,6 @@ ATTENTIONS = ("sdpa", "flex")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 LAUNCHERS = ("torchrun", "srun")
 NONFINITE_ACTIONS = ("stop", "skip_step")
-OPTIMIZERS = ("adamw", "lamb")
 
 
 def key(
@@ -153,26 +152,6 @@ class DataSchema:  # conf/data/*.yaml
 
 
 @dataclass
-class OptimSchema:  # conf/optim/*.yaml
-    name: str = key(choices=OPTIMIZERS)  # adamw | lamb
-    lr: float = key(gt=0)
-    min_lr_ratio: float = key(ge=0, le=1)
-    betas: list[float] = key(
-        check=lambda v: (
-            None if len(v) == 2 and all(0 <= b < 1 for b in v) else "not two numbers in [0, 1); use e.g. [0.9, 0.95]"
-        )
-    )
-    eps: float = key(gt=0)
-    weight_decay: float = key(ge=0)
-    warmup_steps: int = key(ge=0)
-    schedule: str = key(choices=LR_SCHEDULES)
-    decay_ratio: float = key(ge=0, le=1)
-    total_steps: int = key(ge=1)
-    fused: bool | None = key()
-    foreach: bool | None = key()
-
-
-@dataclass
 class ClusterSchema:  # conf/cluster/*.yaml
     accelerator: str = key(choices=ACCELERATORS)
     devices: int = key(ge=1)
@@ -266,7 +245,7 @@ class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydr
     resume: str | None = key(check=_non_empty_str)
     model: ModelSchema = field(default_factory=ModelSchema)
     data: DataSchema = field(default_factory=DataSchema)
-    optim: OptimSchema = field(default_factory=OptimSchema)
+    optim: OptimConfig = field(default_factory=OptimConfig)  # what optim/build.py builds from
     cluster: ClusterSchema = field(default_factory=ClusterSchema)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TitanStrategy's own argument
     loss: LossSchema = field(default_factory=LossSchema)
