@@ -256,7 +256,4 @@ def _optim_config(values: dict[str, Any]) -> OptimConfig:
     unknown = set(values) - names
     if unknown:
         raise ValueError(f"unknown optim key(s) {sorted(unknown)}; valid: {sorted(names)}")
-    values = dict(values)
-    if "betas" in values:
-        values["betas"] = tuple(values["betas"])
     return OptimConfig(**values)

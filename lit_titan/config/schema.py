@@ -24,20 +24,18 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from lit_titan.optim.settings import SCHEDULES as LR_SCHEDULES
+from lit_titan.data.settings import DataConfig
+from lit_titan.optim.settings import OptimConfig
 from lit_titan.settings import setting
 from lit_titan.strategies.settings import AC_MODES, FLOAT8_RECIPES, ParallelConfig
 
 # Choices only the config checks. The choices a component checks itself are imported above from the
 # torch-free module that declares them; the launchers are the config's own (cli/launch.py imports them).
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-CORPORA = ("stdlib", "text", "tokens", "mixture")
-TOKENIZER_KINDS = ("bpe", "hf", "shards")
 ATTENTIONS = ("sdpa", "flex")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 LAUNCHERS = ("torchrun", "srun")
 NONFINITE_ACTIONS = ("stop", "skip_step")
-OPTIMIZERS = ("adamw", "lamb")
 
 
 def key(
@@ -113,63 +111,6 @@ class ModelSchema:  # conf/model/*.yaml
     parallel_block: bool | None = key()
     sliding_window: int | None = key(ge=1)
     window_pattern: int | None = key(ge=1)
-
-
-@dataclass
-class TokenizerSchema:  # data.tokenizer
-    kind: str = key(choices=TOKENIZER_KINDS)
-    path: str | None = key()
-    vocab_size: int | None = key(ge=1)
-
-
-@dataclass
-class SourceSchema:  # one entry of data.sources (data=mixture)
-    path: str = key(check=_non_empty_str)
-    weight: float = key(gt=0)
-
-
-@dataclass
-class DataSchema:  # conf/data/*.yaml
-    _target_: str = key(check=_non_empty_str)
-    corpus: str = key(choices=CORPORA)
-    path: str | None = key()
-    max_bytes: int | None = key(ge=1)
-    seq_len: int = key(ge=1)
-    global_batch_size: int = key(ge=1)
-    micro_batch_size: int | None = key(ge=1)
-    seed: int = key(ge=0)
-    num_workers: int = key(ge=0)
-    pin_memory: bool | None = key()
-    shuffle: bool = key()
-    shuffle_window: int = key(ge=1)
-    chunk_tokens: int = key(ge=1)
-    document_positions: bool = key()
-    document_masking: bool = key()
-    storage_options: dict[str, Any] | None = key()
-    val_fraction: float = key(ge=0, lt=1)
-    data_dir: str = key(check=_non_empty_str)
-    tokenizer: TokenizerSchema = field(default_factory=TokenizerSchema)
-    sources: list[SourceSchema] = key()
-
-
-@dataclass
-class OptimSchema:  # conf/optim/*.yaml
-    name: str = key(choices=OPTIMIZERS)  # adamw | lamb
-    lr: float = key(gt=0)
-    min_lr_ratio: float = key(ge=0, le=1)
-    betas: list[float] = key(
-        check=lambda v: (
-            None if len(v) == 2 and all(0 <= b < 1 for b in v) else "not two numbers in [0, 1); use e.g. [0.9, 0.95]"
-        )
-    )
-    eps: float = key(gt=0)
-    weight_decay: float = key(ge=0)
-    warmup_steps: int = key(ge=0)
-    schedule: str = key(choices=LR_SCHEDULES)
-    decay_ratio: float = key(ge=0, le=1)
-    total_steps: int = key(ge=1)
-    fused: bool | None = key()
-    foreach: bool | None = key()
 
 
 @dataclass
@@ -265,8 +206,8 @@ class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydr
     tf32: bool = key()
     resume: str | None = key(check=_non_empty_str)
     model: ModelSchema = field(default_factory=ModelSchema)
-    data: DataSchema = field(default_factory=DataSchema)
-    optim: OptimSchema = field(default_factory=OptimSchema)
+    data: DataConfig = field(default_factory=DataConfig)  # what PretrainDataModule is built from
+    optim: OptimConfig = field(default_factory=OptimConfig)  # what optim/build.py builds from
     cluster: ClusterSchema = field(default_factory=ClusterSchema)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TitanStrategy's own argument
     loss: LossSchema = field(default_factory=LossSchema)

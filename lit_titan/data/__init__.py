@@ -6,21 +6,39 @@ their manifest), ``shards`` (reading a split, local or S3), ``sources`` (checked
 and rank slices), ``datamodule`` (the Lightning face). Design notes: ``docs/data.md``.
 """
 
-from lit_titan.data.batches import GlobalBatches, RankMicroBatches, StepSampler
-from lit_titan.data.corpus import Corpus, load_corpus, split_corpus, stdlib_corpus, text_corpus
-from lit_titan.data.datamodule import PretrainDataModule
-from lit_titan.data.mixture import Blend
-from lit_titan.data.order import SourceOrder
-from lit_titan.data.prepare import prepare_shards
-from lit_titan.data.shards import ShardSplit
-from lit_titan.data.tokenizers import (
-    EOS_TOKEN,
-    HFTokenizer,
-    Tokenizer,
-    build_tokenizer,
-    tokenizer_fingerprint,
-    train_bpe_tokenizer,
-)
+import importlib
+from typing import Any
+
+# Loaded on first use (PEP 562), so that the torch-free ``lit_titan.data.settings`` (the schema's
+# ``data`` group) can be imported by ``--help`` without loading torch and Lightning.
+_HOMES = {
+    "GlobalBatches": "batches",
+    "RankMicroBatches": "batches",
+    "StepSampler": "batches",
+    "Corpus": "corpus",
+    "load_corpus": "corpus",
+    "split_corpus": "corpus",
+    "stdlib_corpus": "corpus",
+    "text_corpus": "corpus",
+    "PretrainDataModule": "datamodule",
+    "Blend": "mixture",
+    "SourceOrder": "order",
+    "prepare_shards": "prepare",
+    "ShardSplit": "shards",
+    "EOS_TOKEN": "tokenizers",
+    "HFTokenizer": "tokenizers",
+    "Tokenizer": "tokenizers",
+    "build_tokenizer": "tokenizers",
+    "tokenizer_fingerprint": "tokenizers",
+    "train_bpe_tokenizer": "tokenizers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "EOS_TOKEN",

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lit_titan.data.settings import DEFAULT_MAX_BYTES
+
 CORPUS_KINDS = ("stdlib", "text")
 TEXT_SUFFIXES = (".txt", ".jsonl")
-DEFAULT_MAX_BYTES = 8_000_000
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 

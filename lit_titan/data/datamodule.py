@@ -13,6 +13,7 @@ import hashlib
 import json
 import time
 from collections.abc import Mapping
+from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,9 @@ from torch.utils.data import DataLoader
 from lit_titan.data.batch_layout import BatchLayout
 from lit_titan.data.batches import FixedSampler, GlobalBatches, RankMicroBatches, StepSampler
 from lit_titan.data.checks import SHARD_KINDS, check_settings
-from lit_titan.data.corpus import DEFAULT_MAX_BYTES, Corpus, load_corpus, split_corpus
+from lit_titan.data.corpus import Corpus, load_corpus, split_corpus
 from lit_titan.data.prepare import prepare_shards
+from lit_titan.data.settings import DataConfig, TokenizerConfig
 from lit_titan.data.shards import ShardSplit, is_remote
 from lit_titan.data.sources import Source, check_tokenizer, data_fingerprint, open_sources, shards_tokenizer
 from lit_titan.data.step_ahead import StepAheadLoader
@@ -34,7 +36,11 @@ from lit_titan.errors import ConfigError
 
 CACHE_FORMAT_VERSION = 2
 STATE_VERSION = 1
-DEFAULT_TOKENIZER: dict[str, Any] = {"kind": "bpe", "path": None, "vocab_size": 8192}
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    """A settings dataclass or a mapping (Hydra's, a user's) as a plain dict."""
+    return asdict(node) if is_dataclass(node) else dict(node)
 
 
 class PretrainDataModule(L.LightningDataModule):
@@ -42,52 +48,44 @@ class PretrainDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        corpus: str = "stdlib",
-        path: str | None = None,
+        settings: DataConfig | None = None,
+        *,
         tokenizer: Mapping[str, Any] | Tokenizer | None = None,
-        seq_len: int = 512,
-        global_batch_size: int = 8,
-        micro_batch_size: int | None = None,
-        data_dir: str = "data_cache",
-        seed: int = 0,
-        num_workers: int = 0,
-        pin_memory: bool | None = None,
-        max_bytes: int | None = DEFAULT_MAX_BYTES,
-        shuffle: bool = True,
         model_vocab_size: int | None = None,
         dp_rank: int | None = None,
         dp_size: int | None = None,
-        chunk_tokens: int = 1 << 16,
-        val_fraction: float = 0.02,
-        sources: list[Mapping[str, Any]] | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        shuffle_window: int = 2048,
-        document_positions: bool = False,
-        document_masking: bool = False,
+        **keys: Any,
     ) -> None:
+        """``settings``: the ``data`` group (``DataConfig``); ``keys``: any of its fields, given one by
+        one (Hydra's ``_target_`` instantiation, the Python API) over ``settings``. ``tokenizer`` may
+        also be a built ``Tokenizer``. The other keywords come from the job, not the data group."""
         super().__init__()
-        self.corpus_kind = corpus
-        self.path = path
-        self.seq_len = seq_len
-        self.global_batch_size = global_batch_size
-        self._micro_batch_size = micro_batch_size
-        self.data_dir = Path(data_dir).expanduser()
-        self.seed = seed
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self.max_bytes = max_bytes
-        self.shuffle = shuffle
+        keys.pop("_target_", None)
+        if isinstance(tokenizer, Mapping):
+            keys["tokenizer"] = TokenizerConfig(**{**asdict(TokenizerConfig()), **dict(tokenizer)})
+        s = self.settings = replace(settings or DataConfig(), **keys)
+        self.corpus_kind = s.corpus
+        self.path = s.path
+        self.seq_len = s.seq_len
+        self.global_batch_size = s.global_batch_size
+        self._micro_batch_size = s.micro_batch_size
+        self.data_dir = Path(s.data_dir).expanduser()
+        self.seed = s.seed
+        self.num_workers = s.num_workers
+        self.pin_memory = s.pin_memory
+        self.max_bytes = s.max_bytes
+        self.shuffle = s.shuffle
         self.model_vocab_size = model_vocab_size
         self._dp_override = (dp_rank, dp_size)
-        self.chunk_tokens = chunk_tokens
-        self.val_fraction = val_fraction
-        self.storage_options = dict(storage_options) if storage_options else None
-        self.shuffle_window = shuffle_window
-        self.document_positions = bool(document_positions)
-        self.document_masking = bool(document_masking)
-        self._source_specs = [dict(s) for s in sources] if sources else None
-        if isinstance(tokenizer, Mapping) or tokenizer is None:
-            self._tok_cfg: dict[str, Any] = {**DEFAULT_TOKENIZER, **dict(tokenizer or {})}
+        self.chunk_tokens = s.chunk_tokens
+        self.val_fraction = s.val_fraction
+        self.storage_options = dict(s.storage_options) if s.storage_options else None
+        self.shuffle_window = s.shuffle_window
+        self.document_positions = bool(s.document_positions)
+        self.document_masking = bool(s.document_masking)
+        self._source_specs = [_plain(src) for src in s.sources] if s.sources else None
+        if tokenizer is None or isinstance(tokenizer, Mapping):
+            self._tok_cfg: dict[str, Any] = _plain(s.tokenizer)
             self._tokenizer: Tokenizer | None = None
         else:
             self._tok_cfg = {}

@@ -4,35 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from lit_titan.optim.settings import SCHEDULES
-
-OPTIMIZERS = ("adamw", "lamb")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    # adamw (torch.optim.AdamW) | lamb (lit_titan.optim.lamb.Lamb: trust ratio from whole-parameter norms)
-    name: str = "adamw"
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
-    # "cosine": warmup, then cosine to min_lr; "wsd": warmup, stable, then linear decay over
-    # the last `decay_ratio` of training (warmup-stable-decay).
-    schedule: str = "cosine"
-    decay_ratio: float = 0.2
-    total_steps: int = 100
-    # null/None: fused AdamW when every parameter is on CUDA, else torch's default (adamw_implementation)
-    foreach: bool | None = None
-    fused: bool | None = None
+from lit_titan.optim.settings import OPTIMIZERS, SCHEDULES, OptimConfig
 
 
 def lr_lambda(cfg: OptimConfig) -> Callable[[int], float]:

@@ -231,10 +231,14 @@ def test_each_choice_list_is_declared_once():
     from lit_titan.callbacks.float8 import RECIPES
     from lit_titan.cli.launch import LAUNCHERS
     from lit_titan.config import schema
-    from lit_titan.optim.build import SCHEDULES
+    from lit_titan.data.datamodule import DataConfig
+    from lit_titan.optim.build import OptimConfig
 
-    assert schema.AC_MODES is MODES and schema.FLOAT8_RECIPES is RECIPES and schema.LR_SCHEDULES is SCHEDULES
+    assert schema.AC_MODES is MODES and schema.FLOAT8_RECIPES is RECIPES
     assert schema.LAUNCHERS is LAUNCHERS
+    # a component's settings dataclass is its schema group, so its choices and ranges come along
+    hints = typing.get_type_hints(schema.TrainSchema)
+    assert hints["optim"] is OptimConfig and hints["data"] is DataConfig
 
 
 def test_every_option_of_every_group_is_covered():
