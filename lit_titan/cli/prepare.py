@@ -80,7 +80,7 @@ def _positive_int(own: dict[str, str], key: str, default: int) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ConfigError(f"{key}={own[key]} must be a positive integer")
+        raise ConfigError(f"{key}={own[key]}: must be a positive integer")
     return value
 
 

@@ -265,7 +265,7 @@ def test_command_line(corpus: Path, tmp_path: Path) -> None:
     assert "Progress" not in again.stderr
     bad = subprocess.run([*cmd, "chunk_tokens=0"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2, bad
-    assert bad.stderr.strip().splitlines() == ["lit-titan: error: chunk_tokens=0 must be a positive integer"]
+    assert bad.stderr.strip().splitlines() == ["lit-titan: error: chunk_tokens=0: must be a positive integer"]
     # A malformed .jsonl line found by a worker: one line, and no forked helper left holding our pipes
     # (litdata's own worker-error path leaves one, and this call would wait for it until the timeout).
     broken = tmp_path / "broken"
