@@ -65,7 +65,7 @@ def measure(overrides: list[str]) -> dict[str, Any]:
     from lit_titan.config.spec import model_args, parallel_dims
     from lit_titan.job.build import build_strategy
     from lit_titan.models.llama3 import Transformer
-    from lit_titan.planner.build import _register_callbacks, fake_process_group
+    from lit_titan.planner.build import fake_process_group, request_transforms
     from lit_titan.planner.core import _instantiate_callbacks
 
     cfg = compose(overrides)
@@ -73,7 +73,7 @@ def measure(overrides: list[str]) -> dict[str, Any]:
     strategy = build_strategy(cfg)
     with fake_process_group(dims.world_size):
         strategy.init_layout(dims, "cpu")
-        _register_callbacks(strategy, _instantiate_callbacks(cfg, []))
+        request_transforms(strategy, _instantiate_callbacks(cfg, []))
         with torch.device("meta"):
             model = Transformer(args)
         model, _ = strategy.parallelize(model, str(cfg.precision))

@@ -20,7 +20,7 @@ import lightning as L
 
 from lit_titan.models.llama3 import Transformer
 from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
-from lit_titan.strategies import plan as registry
+from lit_titan.strategies import parallel_plan as registry
 from lit_titan.strategies.parallel_plan import register_plan
 
 
