@@ -49,4 +49,10 @@ class RecordTopology(L.Callback):
 
 
 if __name__ == "__main__":
-    train(compose(sys.argv[1:]), callbacks=[RecordTopology()])
+    # It stands in for ``python -m lit_titan.train`` on the torchrun line, so it ends its ranks the same
+    # way (lit_titan/job/ranks.py exit_rank): a plain interpreter exit can abort in gloo's teardown,
+    # and torchrun then restarts a finished job.
+    from lit_titan.cli.entry import run_entry_point
+    from lit_titan.cli.train import user_errors
+
+    run_entry_point(lambda: train(compose(sys.argv[1:]), callbacks=[RecordTopology()]), user_errors, rank_failures=True)
