@@ -25,11 +25,11 @@ from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.phases import PhaseClock, phase
 from lit_titan.optim.build import OptimConfig, build_optimizer, build_scheduler
-from lit_titan.strategies.contract import StrategyContract, contract
+from lit_titan.strategies.contract import ModuleContract, StrategyContract, contract
 from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_norm
 
 
-class PretrainModule(L.LightningModule):
+class PretrainModule(L.LightningModule, ModuleContract):
     # Set by the Timeline callback while training; gradient clipping reports its time to it.
     phase_clock: PhaseClock | None = None
 
@@ -232,6 +232,19 @@ class PretrainModule(L.LightningModule):
         params = [p for p in self.parameters() if p.grad is not None]
         with phase(self, "grad_clip"):
             clip_grads_with_norm_(params, gradient_clip_val, self._last_grad_norm)
+
+    # ---- what the strategy and callbacks read (strategies/contract.py, ModuleContract) -----------
+    @property
+    def tokens_per_step(self) -> int:
+        return self._tokens_per_step
+
+    @property
+    def step_mean_loss(self) -> Tensor | None:
+        return self._step_loss / self._micro_batches if self._micro_batches else None
+
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        return self._last_grad_norm
 
     # ---- helpers --------------------------------------------------------------------------------
     @property

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from lit_titan.errors import NonFiniteError
 from lit_titan.observe.log_cadence import is_logging_step
+from lit_titan.strategies.contract import module_contract
 
 __all__ = ["ACTIONS", "NonFiniteError", "NonFiniteGuard"]
 
@@ -108,9 +109,9 @@ class NonFiniteGuard(L.Callback):
     ) -> None:
         # Runs before the module's hook, which resets its step loss: read it now, decide later.
         losses = [] if self._loss_sum is None else [self._loss_sum]
-        step_loss, micro = getattr(pl_module, "_step_loss", None), getattr(pl_module, "_micro_batches", 0)
-        if isinstance(step_loss, Tensor) and micro:
-            losses.append(step_loss.detach().float() / micro)  # PretrainModule's step mean (also under PP)
+        step_loss = module_contract(pl_module).step_mean_loss
+        if step_loss is not None:
+            losses.append(step_loss.detach().float())  # PretrainModule's step mean (also under PP)
         self._loss_sum = None
         # the first non-finite of them, else the step mean (on device, no sync)
         self._step_loss = _first_nonfinite(losses) if losses and self.check_loss else None
@@ -140,8 +141,8 @@ class NonFiniteGuard(L.Callback):
         loss_bad = (~torch.isfinite(loss)).float()
         norm, norm_global = zero, False
         if self.check_grads:
-            module_norm = getattr(pl_module, "_last_grad_norm", None) if after_module else None
-            if isinstance(module_norm, Tensor):  # PretrainModule's global norm: identical on every rank
+            module_norm = module_contract(pl_module).last_grad_norm if after_module else None
+            if module_norm is not None:  # PretrainModule's global norm: identical on every rank
                 norm, norm_global = _local(module_norm.detach()).float().to(device), True
             else:
                 norm = _local_grad_norm(optimizer, device)

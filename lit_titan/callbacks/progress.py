@@ -21,6 +21,8 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
+from lit_titan.strategies.contract import module_contract
+
 __all__ = ["StepProgressBar"]
 
 
@@ -90,7 +92,7 @@ class StepProgressBar(TQDMProgressBar):
         loss = trainer.callback_metrics.get("train/loss")
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
         done = step - self._step0
-        tokens_per_s = done * getattr(pl_module, "_tokens_per_step", 0) / elapsed if elapsed > 0 else 0.0
+        tokens_per_s = done * module_contract(pl_module).tokens_per_step / elapsed if elapsed > 0 else 0.0
         if self.plain:
             print(
                 self.plain_line(

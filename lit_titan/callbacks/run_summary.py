@@ -16,7 +16,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_titan.observe.redact import MASK
-from lit_titan.strategies.contract import contract
+from lit_titan.strategies.contract import contract, module_contract
 
 __all__ = ["RunSummary", "SUMMARY_FILE"]
 
@@ -57,12 +57,13 @@ class RunSummary(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         elapsed = time.perf_counter() - (self._t0 or time.perf_counter())
         steps = trainer.global_step - self._steps0
-        tokens_per_step = getattr(pl_module, "_tokens_per_step", 0)
+        module = module_contract(pl_module)
+        tokens_per_step = module.tokens_per_step
         loss = trainer.callback_metrics.get("train/loss")
         mfu = trainer.callback_metrics.get("perf/mfu")
         from lit_titan.models.registry import count_params
 
-        args = getattr(pl_module, "model_args", None)
+        args = module.model_args
         dims = contract(trainer.strategy).parallel_dims
         self.summary = {
             "parameters": count_params(args) if args is not None else None,

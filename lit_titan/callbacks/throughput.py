@@ -20,7 +20,7 @@ from torch import nn
 from lit_titan.models.registry import count_params, flops_per_token
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.throughput import Mark, batch_tokens, peak_bf16_tflops, per_device_throughput
-from lit_titan.strategies.contract import contract
+from lit_titan.strategies.contract import contract, module_contract
 
 __all__ = ["ThroughputMonitor"]
 
@@ -119,7 +119,7 @@ class ThroughputMonitor(L.Callback):
         # per-rank count by the world size and so over-counts TP/CP/PP peers that process the
         # same tokens; dividing the *global* count by the world size gives the same per-device
         # numbers for the same per-device work under any layout.
-        model_args = getattr(pl_module, "model_args", None)
+        model_args = module_contract(pl_module).model_args
         fpt = flops_per_token(model_args, self._seq_len, self.num_params) if model_args is not None else 0.0
         values = per_device_throughput(global_tokens, seconds, trainer.world_size, fpt, self.peak_tflops)
         if model_args is None:
@@ -150,13 +150,12 @@ class ThroughputMonitor(L.Callback):
 
 def _whole_model_params(pl_module: L.LightningModule) -> int | None:
     """Parameters of the whole model (not this rank's shard or stage), built once on meta."""
-    build = getattr(pl_module, "build_model", None)
-    if callable(build):
-        try:
-            with torch.device("meta"):
-                model: nn.Module = build()
-            return sum(p.numel() for p in model.parameters())
-        except Exception:  # fall back to the analytic count from model_args
-            pass
-    model_args = getattr(pl_module, "model_args", None)
-    return count_params(model_args) if model_args is not None else None
+    module = module_contract(pl_module)
+    if module.model_args is None:  # not a PretrainModule: nothing to count from
+        return None
+    try:
+        with torch.device("meta"):
+            model: nn.Module = module.build_model()
+        return sum(p.numel() for p in model.parameters())
+    except Exception:  # fall back to the analytic count from model_args
+        return count_params(module.model_args)

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import NamedTuple
 
-__all__ = ["COMMANDS", "Command", "main"]
+__all__ = ["COMMANDS", "Command", "cli_help", "main"]
 
 
 class Command(NamedTuple):
@@ -44,11 +44,25 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def cli_help() -> str:
+    """``lit-titan --help``: every subcommand with one line (the per-command help, generated from
+    ``conf/``, is ``usage.py``'s, which reads this table: the import goes one way)."""
+    width = max(map(len, COMMANDS))
+    return "\n".join(
+        [
+            "usage: lit-titan COMMAND [arguments...]   (lit-titan COMMAND --help: that command's options)",
+            "",
+            "commands:",
+            *(f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items()),
+            "",
+            'Start: python -m lit_titan.train trainer.max_steps=20; README.md, section "First hour".',
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        from lit_titan.cli.usage import cli_help  # every subcommand with one line
-
         print(cli_help(), file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
         sys.exit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     os.execv(sys.executable, [sys.executable, "-m", COMMANDS[argv[0]].module, *argv[1:]])

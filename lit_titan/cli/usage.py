@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["KEYS", "cli_help", "config_groups", "render"]
+from lit_titan.cli.commands import COMMANDS
+
+__all__ = ["KEYS", "config_groups", "render"]
 
 # The keys a user changes most, one line each (every one exists in the composed config: tested).
 KEYS = (
@@ -88,8 +90,6 @@ def render(
     command: str, extra_dirs: tuple[Path | str, ...] = (), intro: str | None = None, examples: bool = True
 ) -> str:
     """The ``--help`` text of ``lit-titan COMMAND`` (one that takes the training overrides)."""
-    from lit_titan.cli.commands import COMMANDS
-
     lines = [
         intro or INTRO.get(command) or f"lit-titan {command}: {COMMANDS[command].summary}",
         "",
@@ -107,20 +107,3 @@ def render(
         lines += ["", "== Examples =="]
         lines += EXAMPLES.get(command, EXAMPLES["train"])
     return "\n".join(lines)
-
-
-def cli_help() -> str:
-    """``lit-titan --help``: every subcommand with one line."""
-    from lit_titan.cli.commands import COMMANDS
-
-    width = max(map(len, COMMANDS))
-    return "\n".join(
-        [
-            "usage: lit-titan COMMAND [arguments...]   (lit-titan COMMAND --help: that command's options)",
-            "",
-            "commands:",
-            *(f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items()),
-            "",
-            'Start: python -m lit_titan.train trainer.max_steps=20; README.md, section "First hour".',
-        ]
-    )

@@ -94,13 +94,15 @@ FAMILIES: dict[str, Callable[[], ModelSpec]] = {
     "llama3": _llama3,
 }
 
-_specs: dict[str, ModelSpec] = {}
+# Keyed by the entry, not the name: replacing a family's entry in FAMILIES (a changed plan) takes effect.
+_specs: dict[Callable[[], ModelSpec], ModelSpec] = {}
 
 
 def family(name: str) -> ModelSpec:
-    if name not in _specs:
-        _specs[name] = FAMILIES[name]()
-    return _specs[name]
+    make = FAMILIES[name]
+    if make not in _specs:
+        _specs[make] = make()
+    return _specs[make]
 
 
 def families() -> list[ModelSpec]:
@@ -128,6 +130,22 @@ def spec_of(args: Any) -> ModelSpec:
     raise TypeError(
         f"{type(args).__name__} is not the arguments of a registered model family "
         f"({', '.join(FAMILIES)}); add the family to lit_titan.models.registry.FAMILIES"
+    )
+
+
+def spec_of_model(model: nn.Module) -> ModelSpec:
+    """The family whose model class built ``model`` (its own class first, then a subclass of one).
+
+    How ``TitanStrategy`` finds a model's ``ParallelPlan``; a model of no family gets its plan from
+    ``TitanStrategy(plan=...)``.
+    """
+    for match in (lambda cls: type(model) is cls, lambda cls: isinstance(model, cls)):
+        for spec in families():
+            if isinstance(spec.model, type) and match(spec.model):
+                return spec
+    raise TypeError(
+        f"{type(model).__name__} is not the model of a registered family ({', '.join(FAMILIES)}); pass its "
+        f"layout as TitanStrategy(plan=ParallelPlan(...)), or add its family to lit_titan.models.registry.FAMILIES"
     )
 
 

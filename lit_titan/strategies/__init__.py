@@ -10,9 +10,7 @@ from lit_titan.strategies.parallel_dims import MESH_DIMS, LayoutError, ParallelD
 from lit_titan.strategies.settings import ParallelConfig
 
 _LAZY = {
-    "ParallelPlan": "plan",
-    "plan_for": "plan",
-    "register_plan": "plan",
+    "ParallelPlan": "parallel_plan",
     "TRANSFORM_SLOTS": "strategy",
     "TitanStrategy": "strategy",
 }
@@ -34,6 +32,4 @@ __all__ = [
     "ParallelDims",
     "ParallelPlan",
     "TitanStrategy",
-    "plan_for",
-    "register_plan",
 ]

@@ -1,26 +1,36 @@
-"""What ``PretrainModule`` and the callbacks may ask of the training strategy, written down.
+"""What the module, the strategy and the callbacks may ask of each other, written down.
 
-``StrategyContract`` is the whole interface. ``TitanStrategy`` implements it; any other Lightning
-strategy (single device, DDP, Lightning's own ModelParallel) is answered by ``PlainStrategy`` with
-what is true there: the module materialises its own weights, every rank is a data-parallel rank, no
-pipeline, no mesh. Code outside ``strategies/`` calls ``contract(trainer.strategy)`` and reads typed
-attributes, instead of probing the strategy with ``getattr(..., default)``, so a renamed attribute
-fails loudly and a reader finds the interface in one place.
+``StrategyContract``: what ``PretrainModule`` and the callbacks may ask of the training strategy.
+``TitanStrategy`` implements it; any other Lightning strategy (single device, DDP, Lightning's own
+ModelParallel) is answered by ``PlainStrategy`` with what is true there: the module materialises its
+own weights, every rank is a data-parallel rank, no pipeline, no mesh. Callers use
+``contract(trainer.strategy)``.
+
+``ModuleContract``: what ``TitanStrategy`` and the callbacks may ask of the LightningModule.
+``PretrainModule`` implements it; any other LightningModule is answered by ``PlainModule`` (no model
+arguments, no step statistics). Callers use ``module_contract(pl_module)``. ``SequenceData``: a data
+module that states its sequence length, which the layout is checked against.
+
+Typed attributes instead of probes with ``getattr(..., default)``: a renamed attribute fails loudly
+and a reader finds each interface in one place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     import torch
     import torch.distributed
     from lightning.fabric.plugins.environments import ClusterEnvironment
     from lightning.pytorch.strategies import Strategy
+    from torch import Tensor, nn
     from torch.distributed.device_mesh import DeviceMesh
 
     from lit_titan.checkpoint import CheckpointWriter
+    from lit_titan.models.registry import ModelArgsLike
     from lit_titan.strategies.parallel_dims import ParallelDims
 
 
@@ -115,3 +125,77 @@ def contract(strategy: Any) -> StrategyContract:
     from lit_titan.strategies.strategy import TitanStrategy
 
     return strategy if isinstance(strategy, TitanStrategy) else PlainStrategy(strategy)
+
+
+class ModuleContract:
+    """What ``TitanStrategy`` and the callbacks may ask of the LightningModule.
+
+    ``PretrainModule`` inherits this and implements every member: the check is by class (a module
+    says it keeps the contract), so neither this file nor its callers import the module above them.
+    Under pipeline and context parallelism the strategy also runs the step through the module's
+    ``unpack_batch``, ``split_batch``, ``model_loss``, ``compute_loss`` and ``record_*_loss``
+    (``PretrainModule``'s override points), so those layouts need a ``PretrainModule``.
+    """
+
+    # The network to parallelise, built on the meta device in configure_model (None before).
+    model: nn.Module | None
+    # The model family's arguments (heads, layers, vocabulary): the layout is checked against them and
+    # FLOPs are counted from them (None: not a registered family's model).
+    model_args: ModelArgsLike | None
+    # Seed of the layout-independent init the strategy materialises the weights with.
+    seed: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over all data-parallel ranks (0 until the first step)."""
+        raise NotImplementedError
+
+    @property
+    def step_mean_loss(self) -> Tensor | None:
+        """This step's mean loss over the micro-batches seen so far, on device (None: none yet)."""
+        raise NotImplementedError
+
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        """The global gradient norm of the last optimizer step, identical on every rank."""
+        raise NotImplementedError
+
+    def build_model(self) -> nn.Module:
+        """A fresh, unparallelised model (called under the meta device)."""
+        raise NotImplementedError
+
+    def load_initial_weights(self) -> None:
+        """Start from given weights once the (sharded) model holds its seeded init."""
+        raise NotImplementedError
+
+
+class PlainModule:
+    """The contract's answers for a LightningModule that is not a ``PretrainModule``."""
+
+    model = None  # TitanStrategy refuses it: nothing says which submodule is the network
+    model_args = None
+    seed = 0
+    tokens_per_step = 0
+    step_mean_loss = None
+    last_grad_norm = None
+
+    def __init__(self, module: pl.LightningModule | None) -> None:
+        self._module = module
+
+    def build_model(self) -> nn.Module:
+        raise TypeError(f"{type(self._module).__name__} is not a lit_titan.PretrainModule: it has no build_model()")
+
+    def load_initial_weights(self) -> None:
+        return None
+
+
+def module_contract(module: Any) -> ModuleContract | PlainModule:
+    """``module`` itself when it keeps the contract (a ``PretrainModule``), else its plain answers."""
+    return module if isinstance(module, ModuleContract) else PlainModule(module)
+
+
+@runtime_checkable
+class SequenceData(Protocol):
+    """A data module that states the sequence length of its samples (``PretrainDataModule`` does)."""
+
+    seq_len: int

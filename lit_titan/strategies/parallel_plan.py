@@ -1,7 +1,8 @@
 """What a model family tells the strategy: its TP layout, its blocks, its FSDP units.
 
-The model file stays free of parallel code; each family ships one ``ParallelPlan`` and users may
-pass their own to ``TitanStrategy(plan=...)`` or override ``TitanStrategy.plan_for``.
+The model file stays free of parallel code; each family ships one ``ParallelPlan`` as its
+``ModelSpec.plan`` (``models/registry.py``, the one place a plan is looked up). A model of no
+registered family gets its plan from ``TitanStrategy(plan=...)``.
 """
 
 from __future__ import annotations
@@ -30,20 +31,3 @@ class ParallelPlan:
     attention_cores: Callable[[nn.Module], list[tuple[nn.Module, str]]] | None = None
     # TP styles for the root of a pipeline stage that lacks the first/last parts (stage boundaries)
     tp_stage_io: Callable[[nn.Module], list] | None = None
-
-
-_REGISTRY: dict[type, ParallelPlan] = {}
-
-
-def register_plan(model_cls: type, plan: ParallelPlan) -> None:
-    _REGISTRY[model_cls] = plan
-
-
-def plan_for(model: nn.Module) -> ParallelPlan:
-    for cls in type(model).__mro__:
-        if cls in _REGISTRY:
-            return _REGISTRY[cls]
-    raise TypeError(
-        f"no ParallelPlan registered for {type(model).__name__}; pass TitanStrategy(plan=...) or call "
-        f"lit_titan.strategies.parallel_plan.register_plan({type(model).__name__}, plan)"
-    )

@@ -29,9 +29,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from lit_titan.checkpoint import CheckpointWriter, load_sharded
+from lit_titan.models.registry import spec_of_model
 from lit_titan.observe.log_cadence import amortise_sigterm_check, is_logging_step
 from lit_titan.observe.phases import phase
 from lit_titan.strategies.context_parallel import ContextParallel
+from lit_titan.strategies.contract import SequenceData, module_contract
 from lit_titan.strategies.elastic import init_process_group as init_elastic_process_group
 from lit_titan.strategies.elastic import under_torchelastic
 from lit_titan.strategies.fsdp import (
@@ -42,7 +44,7 @@ from lit_titan.strategies.fsdp import (
     mixed_precision_for,
 )
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
-from lit_titan.strategies.parallel_plan import ParallelPlan, plan_for
+from lit_titan.strategies.parallel_plan import ParallelPlan
 from lit_titan.strategies.pipeline import (
     PipelineConfig,
     PipelineRunner,
@@ -136,6 +138,8 @@ class TitanStrategy(ModelParallelStrategy):
         self.checkpoint_writer = CheckpointWriter()
         # Under torchrun: which attempt this is, agreed by every node (None: not started by torchrun).
         self.restart_attempt: int | None = None
+        # Whether setup_environment started the process group (then teardown destroys it).
+        self._owns_process_group = False
 
     # ---- layout ---------------------------------------------------------------------------------
     def resolve_dims(self) -> ParallelDims:
@@ -153,13 +157,12 @@ class TitanStrategy(ModelParallelStrategy):
                 )
             return self._resolved_dims
         dims = ParallelDims.resolve(self.world_size, **self._degrees)
-        module = self.lightning_module
-        args = getattr(module, "model_args", None)
-        dm = getattr(getattr(module, "trainer", None), "datamodule", None) if module is not None else None
+        args = module_contract(self.lightning_module).model_args
+        data = self.lightning_module.trainer.datamodule if self.lightning_module is not None else None
         dims.validate(
-            n_heads=getattr(args, "n_heads", None),
-            n_kv_heads=getattr(args, "kv_heads", None),
-            seq_len=getattr(dm, "seq_len", None),
+            n_heads=args.n_heads if args is not None else None,
+            n_kv_heads=args.kv_heads if args is not None else None,
+            seq_len=data.seq_len if isinstance(data, SequenceData) else None,
         )
         return dims
 
@@ -187,8 +190,8 @@ class TitanStrategy(ModelParallelStrategy):
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     def plan_for(self, model: nn.Module) -> ParallelPlan:
-        """The layout of ``model``; override (or pass ``plan=``) for a custom model family."""
-        return self._plan if self._plan is not None else plan_for(model)
+        """``plan=`` when given (a model of no registered family), else its family's ``ModelSpec.plan``."""
+        return self._plan if self._plan is not None else spec_of_model(model).plan
 
     def register_transform(self, slot: str, fn: Transform) -> None:
         """Callbacks ask for transforms; the strategy decides when they run (TRANSFORM_SLOTS order)."""
@@ -271,20 +274,19 @@ class TitanStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        module = self.lightning_module
-        model = getattr(module, "model", None)
+        module = module_contract(self.lightning_module)
+        model = module.model
         if not isinstance(model, nn.Module):
             raise TypeError(
-                f"{type(self).__name__} parallelises `LightningModule.model`; build it in configure_model()"
-                f" (see lit_titan.PretrainModule)"
+                f"{type(self).__name__} parallelises the `model` of a lit_titan.PretrainModule, built in "
+                f"configure_model(); got {type(self.lightning_module).__name__}"
             )
         precision = self.precision_plugin.precision
         mixed_precision_for(precision)  # refuse unsupported flags before any work
         model, self._views = self.parallelize(model, precision)
         module.model = model  # under PP: this rank's stages only, original parameter names
-        self.materialize(model, seed=getattr(module, "seed", 0))
-        if hasattr(module, "load_initial_weights"):
-            module.load_initial_weights()  # e.g. model.init_from_hf, into the sharded parameters
+        self.materialize(model, seed=module.seed)
+        module.load_initial_weights()  # e.g. model.init_from_hf, into the sharded parameters
         if self.parallel_dims.pp > 1:
             share_root_buffers(model, self._views)
             self.pipeline = PipelineRunner(
@@ -374,7 +376,7 @@ class TitanStrategy(ModelParallelStrategy):
         self._restore_matmul_precision()  # an in-process fit leaves torch as it found it
         # An in-process fit (notebook, Python API) must not leave its process group behind: the
         # next fit, the planner's fake group or a data pipeline would take it for a live job.
-        if getattr(self, "_owns_process_group", False) and torch.distributed.is_initialized():
+        if self._owns_process_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
             self._owns_process_group = False
 

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lit_titan.strategies.contract import contract
 from lit_titan.strategies.settings import AC_MODES
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
 
 __all__ = [
     "MODES",
@@ -92,7 +96,7 @@ def apply_activation_checkpointing(
     return wrapped
 
 
-def request_activation_checkpointing(strategy: Any, mode: str, every_n_layers: int = 2) -> None:
+def request_activation_checkpointing(strategy: Strategy, mode: str, every_n_layers: int = 2) -> None:
     """Checkpoint ``strategy``'s model blocks (``mode`` of MODES); applied after TP/CP, before compile and FSDP."""
     if mode not in MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of {MODES}")
@@ -104,7 +108,7 @@ def request_activation_checkpointing(strategy: Any, mode: str, every_n_layers: i
     def transform(model: nn.Module, plan: Any, strategy: Any) -> None:
         apply_activation_checkpointing(model, model.get_submodule(plan.block_container), mode, every_n_layers)
 
-    strategy.register_transform("activation_checkpointing", transform)
+    contract(strategy).register_transform("activation_checkpointing", transform)
 
 
 def compile_blocks(
@@ -116,28 +120,28 @@ def compile_blocks(
 
 
 def request_compile(
-    strategy: Any, *, fullgraph: bool = True, backend: str = "inductor", mode: str | None = None
+    strategy: Strategy, *, fullgraph: bool = True, backend: str = "inductor", mode: str | None = None
 ) -> None:
     """Compile ``strategy``'s model per block (TorchTitan's granularity); after TP and AC, before FSDP.
 
     Safe with TP because the residual stream between blocks stays a Shard(1) DTensor (see
     lit_titan/models/llama3/parallelize.py; local tensors there train silently wrong under compile).
     """
-    dims = getattr(strategy, "parallel_dims", None)
-    if dims is not None and dims.cp > 1:
+    titan = contract(strategy)
+    if titan.parallel_dims is not None and titan.parallel_dims.cp > 1:
         raise NotImplementedError(
             "Compile with context parallelism (parallel.cp > 1) is not supported yet: the "
             "all-gather-KV attention runs collectives inside an autograd Function; drop "
             "the compile callback or set parallel.cp=1"
         )
-    strategy.register_transform(
+    titan.register_transform(
         "compile",
         lambda model, plan, strategy: compile_blocks(model, plan, fullgraph=fullgraph, backend=backend, mode=mode),
     )
 
 
 def request_float8(
-    strategy: Any,
+    strategy: Strategy,
     convert: Callable[[nn.Module, Any, Any], None],
     tp_style: Callable[[str, nn.Module, Any], Any] | None = None,
 ) -> None:
@@ -146,6 +150,7 @@ def request_float8(
     ``convert``: the conversion (``Float8.convert``, which holds the recipe and the filter);
     ``tp_style``: with float8 TP, the rewrite of the plan's TP styles (``Float8.tp_style``).
     """
-    strategy.register_transform("convert", convert)
+    titan = contract(strategy)
+    titan.register_transform("convert", convert)
     if tp_style is not None:
-        strategy.register_tp_style_rewrite(tp_style)
+        titan.register_tp_style_rewrite(tp_style)

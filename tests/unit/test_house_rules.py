@@ -43,3 +43,10 @@ def test_the_planner_fakes_no_trainer():
     sources = {p.name: p.read_text() for p in (PACKAGE / "planner").glob("*.py")}
     fakes = ("SimpleNamespace(strategy=", ".setup(", "Trainer(")
     assert not [name for name, text in sources.items() if any(fake in text for fake in fakes)]
+
+
+def test_no_two_commands_import_each_other():
+    """cli/ imports go one way (usage.py reads the command table in commands.py, not the reverse)."""
+    modules = {f"lit_titan.cli.{p.stem}": _imports(p) for p in (PACKAGE / "cli").glob("*.py")}
+    pairs = sorted((a, b) for a in modules for b in modules if a < b and b in modules[a] and a in modules[b])
+    assert pairs == []

@@ -12,8 +12,7 @@ import functools
 
 from torch import nn
 
-from lit_titan.models.llama3.model import Transformer
-from lit_titan.strategies.parallel_plan import ParallelPlan, register_plan
+from lit_titan.strategies.parallel_plan import ParallelPlan
 
 
 def tp_root(model: nn.Module, loss_parallel: bool) -> dict:
@@ -174,4 +173,3 @@ LLAMA3_PLAN = ParallelPlan(
     tp_stage_io=tp_stage_io,
     attention_cores=attention_cores,
 )
-register_plan(Transformer, LLAMA3_PLAN)

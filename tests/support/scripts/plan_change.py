@@ -2,7 +2,8 @@
 
 The embedding becomes ColwiseParallel (shard the embedding dim, weight placement S(1) on tp)
 instead of TorchTitan's RowwiseParallel (shard the vocabulary, S(0)); both are correct layouts.
-The changed plan is registered only while ``main`` runs and the stock one put back on return:
+The changed plan is the llama3 family's (its entry in ``models/registry.py``'s ``FAMILIES``, where the
+strategy and the planner look a plan up) only while ``main`` runs, and the stock entry is put back on return:
 ``main`` runs in the test's own process (plan) and on every rank of a reused world
 (tests/support/world.py, train), where module state outlives the case.
 Usage: plan_change.py {plan|train} OUT_JSON [hydra overrides]
@@ -18,10 +19,8 @@ from dataclasses import replace
 
 import lightning as L
 
-from lit_titan.models.llama3 import Transformer
+from lit_titan.models import registry
 from lit_titan.models.llama3.parallelize import LLAMA3_PLAN
-from lit_titan.strategies import parallel_plan as registry
-from lit_titan.strategies.parallel_plan import register_plan
 
 
 def tp_root_colwise_embedding(model, loss_parallel):
@@ -38,17 +37,14 @@ def tp_root_colwise_embedding(model, loss_parallel):
 
 @contextlib.contextmanager
 def colwise_embedding() -> Iterator[None]:
-    """The changed plan registered for Transformer; the one registered before restored on exit."""
-    # The registry has no public "unregister": read and restore its entry for this class directly.
-    saved = registry._REGISTRY.get(Transformer)
-    register_plan(Transformer, replace(LLAMA3_PLAN, tp_root=tp_root_colwise_embedding))
+    """The llama3 family with the changed plan; the family's stock entry restored on exit."""
+    stock = registry.FAMILIES["llama3"]
+    changed = replace(registry.family("llama3"), plan=replace(LLAMA3_PLAN, tp_root=tp_root_colwise_embedding))
+    registry.FAMILIES["llama3"] = lambda: changed
     try:
         yield
     finally:
-        if saved is None:
-            registry._REGISTRY.pop(Transformer, None)
-        else:
-            register_plan(Transformer, saved)
+        registry.FAMILIES["llama3"] = stock
 
 
 class DumpPlacements(L.Callback):
