@@ -3,7 +3,8 @@
 Generated from the config tree itself: every option of every group is composed, and every leaf key
 it holds is given a value of the wrong type and (numeric keys) a negative one, and zero where the
 schema says it must be positive. Each case must be refused with one line that starts with the key.
-A yaml key that has no schema line fails here by name (test_every_yaml_key_has_a_schema_line).
+A yaml key that has no field (in its component's settings dataclass, or schema.py) fails here by name
+(test_every_yaml_key_has_a_schema_line).
 """
 
 from __future__ import annotations
@@ -132,10 +133,11 @@ def own_keys(option: str | None, leaves: dict[str, Any]) -> list[str]:
 
 @pytest.mark.parametrize("option", OPTIONS)
 def test_every_yaml_key_has_a_schema_line(option):
-    """A key added to a yaml file without its one line in lit_titan/config/schema.py fails here, by name."""
+    """A key added to a yaml file without its field (its component's settings dataclass, or
+    lit_titan/config/schema.py) fails here, by name."""
     cfg = composed(option)  # compose() itself refuses an unknown key: "<key>=<value>: not a config key"
     missing = [k for k, kind in schema_leaves(cfg).items() if kind is None]
-    assert not missing, f"{option}: keys without a line in lit_titan/config/schema.py: {missing}"
+    assert not missing, f"{option}: keys without a field in a settings dataclass or schema.py: {missing}"
 
 
 @pytest.mark.parametrize("option", [None, *[o for o in OPTIONS if not o.startswith("+recipe")]])
