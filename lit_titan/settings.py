@@ -9,8 +9,10 @@ schema is checked before anything heavy is imported (``--help``, one-line errors
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, field
-from typing import Any
+from dataclasses import MISSING, field, replace
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def setting(
@@ -38,3 +40,20 @@ def setting(
     if callable(default) and not isinstance(default, type):
         return field(default_factory=default, metadata={"rule": rule})
     return field(default=default, metadata={"rule": rule})
+
+
+def settings_of(cls: type[T], settings: T | None, keys: dict[str, Any]) -> T:
+    """A component's settings: ``settings`` (None: ``cls``'s defaults) with ``keys`` over it, each a field
+    given by name, as Hydra's ``_target_`` instantiation and the Python API pass them (``_target_`` is
+    Hydra's and dropped). A name that is no field is a TypeError naming it, as a constructor's would be."""
+    keys = {k: v for k, v in keys.items() if k != "_target_"}
+    return replace(settings if settings is not None else cls(), **keys)
+
+
+# Checks several groups share (``setting(check=...)``): what is wrong and what to give instead, or None.
+def non_empty_str(value: Any) -> str | None:
+    return None if isinstance(value, str) and value.strip() else "empty or not a string; give a non-empty string"
+
+
+def path_or_null(value: Any) -> str | None:
+    return None if value is None or isinstance(value, str) else "not a path; give a path (a string) or null"

@@ -1,33 +1,35 @@
-"""User-facing toggles (Lightning callbacks); the strategy decides when their transforms run."""
+"""User-facing toggles (Lightning callbacks); the strategy decides when their transforms run.
 
-from lit_titan.callbacks.activation_checkpointing import ActivationCheckpointing
-from lit_titan.callbacks.checkpointing import Checkpointing
-from lit_titan.callbacks.compile import Compile
-from lit_titan.callbacks.fault_injection import FaultInjection
-from lit_titan.callbacks.float8 import Float8
-from lit_titan.callbacks.nonfinite import NonFiniteError, NonFiniteGuard
-from lit_titan.callbacks.profiler import Profiler
-from lit_titan.callbacks.progress import StepProgressBar
-from lit_titan.callbacks.run_summary import RunSummary
-from lit_titan.callbacks.straggler import StragglerReport
-from lit_titan.callbacks.throughput import ThroughputMonitor
-from lit_titan.callbacks.timeline import Timeline
-from lit_titan.callbacks.watchdog import WATCHDOG_EXIT_CODE, Watchdog
+The callbacks load lazily (PEP 562): the config schema imports the torch-free ``callbacks.settings``
+before torch and Lightning are loaded, and importing a submodule runs this file first.
+"""
 
-__all__ = [
-    "ActivationCheckpointing",
-    "Checkpointing",
-    "Compile",
-    "FaultInjection",
-    "Float8",
-    "NonFiniteError",
-    "NonFiniteGuard",
-    "Profiler",
-    "RunSummary",
-    "StepProgressBar",
-    "StragglerReport",
-    "ThroughputMonitor",
-    "Timeline",
-    "WATCHDOG_EXIT_CODE",
-    "Watchdog",
-]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "ActivationCheckpointing": "activation_checkpointing",
+    "Checkpointing": "checkpointing",
+    "Compile": "compile",
+    "FaultInjection": "fault_injection",
+    "Float8": "float8",
+    "NonFiniteError": "nonfinite",
+    "NonFiniteGuard": "nonfinite",
+    "Profiler": "profiler",
+    "RunSummary": "run_summary",
+    "StepProgressBar": "progress",
+    "StragglerReport": "straggler",
+    "ThroughputMonitor": "throughput",
+    "Timeline": "timeline",
+    "WATCHDOG_EXIT_CODE": "settings",
+    "Watchdog": "watchdog",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
+
+__all__ = sorted(_HOMES)

@@ -18,9 +18,11 @@ from typing import Any
 
 import lightning as L
 
+from lit_titan.callbacks.settings import CheckpointConfig
 from lit_titan.callbacks.watchdog import Watchdog
 from lit_titan.checkpoint import step_dir_name
 from lit_titan.checkpoint.disk import expected_state, planned_saves
+from lit_titan.settings import settings_of
 from lit_titan.strategies.contract import contract
 
 
@@ -28,26 +30,26 @@ class Checkpointing(L.Callback):
     def __init__(
         self,
         dirpath: str,
-        every_n_steps: int = 0,
-        keep_last: int = 3,
-        async_save: bool = True,
+        settings: CheckpointConfig | None = None,
+        *,
         fingerprint: dict[str, Any] | None = None,
+        **keys: Any,
     ) -> None:
         """
         Args:
             dirpath: where ``step-XXXXXX`` checkpoint directories go (``<run_dir>/checkpoints``).
-            every_n_steps: save every N optimizer steps; 0: only at the end of training.
-            keep_last: keep the newest K complete checkpoints (0: keep all).
-            async_save: write in the background while training continues.
+            settings: the ``checkpoint`` group (``CheckpointConfig``: every_n_steps, 0 = only at the end;
+                keep_last, 0 = keep all; async_save), or its fields by name in ``keys``.
             fingerprint: the config keys a resume must share (``lit_titan.checkpoint.compat``),
                 stored in every checkpoint's ``meta.pt``.
         """
-        if every_n_steps < 0 or keep_last < 0:
+        s = self.settings = settings_of(CheckpointConfig, settings, keys)
+        if s.every_n_steps < 0 or s.keep_last < 0:
             raise ValueError("checkpoint.every_n_steps and checkpoint.keep_last must be >= 0")
         self.dirpath = Path(dirpath)
-        self.every_n_steps = every_n_steps
-        self.keep_last = keep_last
-        self.async_save = async_save
+        self.every_n_steps = s.every_n_steps
+        self.keep_last = s.keep_last
+        self.async_save = s.async_save
         self.fingerprint = dict(fingerprint or {})
         self._last_saved = -1
 

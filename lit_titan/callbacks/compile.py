@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import torch
 
 from lit_titan.callbacks._requires import transform_strategy
+from lit_titan.callbacks.settings import CompileConfig
+from lit_titan.settings import settings_of
 from lit_titan.strategies.transforms import request_compile
 
 
@@ -16,10 +20,10 @@ class Compile(L.Callback):
     also compiles the module's ``compute_loss``.
     """
 
-    def __init__(
-        self, fullgraph: bool = True, backend: str = "inductor", mode: str | None = None, compile_loss: bool = False
-    ) -> None:
-        self.fullgraph, self.backend, self.mode, self.compile_loss = fullgraph, backend, mode, compile_loss
+    def __init__(self, settings: CompileConfig | None = None, **keys: Any) -> None:
+        """``settings`` or its fields by name (``backend="eager"``): ``callbacks/settings.py``."""
+        s = self.settings = settings_of(CompileConfig, settings, keys)
+        self.fullgraph, self.backend, self.mode, self.compile_loss = s.fullgraph, s.backend, s.mode, s.compile_loss
         self._registered = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -25,23 +25,21 @@ from typing import Any
 
 import lightning as L
 
+from lit_titan.callbacks.settings import FaultConfig
 from lit_titan.checkpoint.layout import staged_step
+from lit_titan.settings import settings_of
 from lit_titan.strategies.contract import contract
 
 
 class FaultInjection(L.Callback):
-    def __init__(
-        self,
-        kill_rank: int,
-        at_step: int,
-        during_save: bool = False,
-        save_error: str | None = None,
-        stage_error: str | None = None,
-        pause: bool = False,
-    ) -> None:
-        self.kill_rank, self.at_step, self.during_save, self.pause = kill_rank, at_step, during_save, pause
-        self.save_error, self.stage_error = save_error, stage_error
-        for name, value in (("save_error", save_error), ("stage_error", stage_error)):
+    def __init__(self, settings: FaultConfig | None = None, **keys: Any) -> None:
+        """The ``fault`` group (``FaultConfig``; its ``slow_*`` drill is Preflight's) or its fields by name."""
+        s = self.settings = settings_of(FaultConfig, settings, keys)
+        if s.kill_rank is None or s.at_step is None:
+            raise ValueError("FaultInjection needs kill_rank and at_step (the rank to fail and the step to fail at)")
+        self.kill_rank, self.at_step, self.during_save, self.pause = s.kill_rank, s.at_step, s.during_save, s.pause
+        self.save_error, self.stage_error = s.save_error, s.stage_error
+        for name, value in (("save_error", s.save_error), ("stage_error", s.stage_error)):
             if value is not None and not isinstance(getattr(errno, str(value), None), int):
                 raise ValueError(f"fault.{name}={value} is not an errno name (e.g. ENOSPC, ENOMEM)")
         # torchrun counts attempts in TORCHELASTIC_RESTART_COUNT, the Slurm script of

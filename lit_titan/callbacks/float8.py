@@ -27,7 +27,6 @@ What runs where (torch 2.14, torchao 0.18):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -36,6 +35,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lit_titan.callbacks._requires import transform_strategy
+from lit_titan.callbacks.settings import Float8Config
+from lit_titan.settings import settings_of
 from lit_titan.strategies.settings import FLOAT8_RECIPES
 from lit_titan.strategies.transforms import request_float8
 
@@ -45,7 +46,7 @@ RECIPES = FLOAT8_RECIPES  # declared torch-free in strategies/settings.py, which
 class Float8(L.Callback):
     """Train the model's eligible Linear layers in float8 (torchao), under ``TitanStrategy``.
 
-    Args:
+    Takes a ``Float8Config`` (``callbacks/settings.py``) or its fields by name (``Float8(emulate=True)``):
         recipe: torchao recipe. ``"tensorwise"`` (one scale per tensor; fastest, and the only one with
             FP8 FSDP all-gather), ``"rowwise"`` (per-row scales, power-of-2 rounded; more accurate),
             ``"rowwise_with_gw_hp"`` (rowwise, weight gradient kept in high precision; most accurate).
@@ -73,17 +74,14 @@ class Float8(L.Callback):
             gloo fails with "Invalid scalar type"). No effect without tensor parallelism.
     """
 
-    def __init__(
-        self,
-        recipe: str = "tensorwise",
-        enable_fsdp_float8_all_gather: bool = True,
-        precompute_scales: bool = True,
-        emulate: bool = False,
-        filter_fqns: Sequence[str] = ("output",),
-        min_dim: int = 16,
-        auto_filter_small_kn: bool = True,
-        float8_tp: bool = False,
-    ) -> None:
+    def __init__(self, settings: Float8Config | None = None, **keys: Any) -> None:
+        s = self.settings = settings_of(Float8Config, settings, keys)
+        recipe, enable_fsdp_float8_all_gather, min_dim, float8_tp = (
+            s.recipe,
+            s.enable_fsdp_float8_all_gather,
+            s.min_dim,
+            s.float8_tp,
+        )
         if recipe not in RECIPES:
             raise ValueError(f"unknown Float8 recipe {recipe!r}; choose one of {list(RECIPES)}")
         if float8_tp and recipe != "tensorwise":
@@ -101,11 +99,11 @@ class Float8(L.Callback):
                 f"Float8: FP8 all-gather needs the tensorwise recipe; recipe={recipe!r} gathers in the FSDP param dtype"
             )
         # Scales only matter when FSDP gathers float8 weights; otherwise there is nothing to precompute.
-        self.precompute_scales = precompute_scales and self.enable_fsdp_float8_all_gather
-        self.emulate = emulate
-        self.filter_fqns = list(filter_fqns)
+        self.precompute_scales = s.precompute_scales and self.enable_fsdp_float8_all_gather
+        self.emulate = s.emulate
+        self.filter_fqns = list(s.filter_fqns)
         self.min_dim = min_dim
-        self.auto_filter_small_kn = auto_filter_small_kn
+        self.auto_filter_small_kn = s.auto_filter_small_kn
         self.float8_tp = float8_tp
         self.converted: list[str] = []  # fully-qualified names of the Float8Linear layers
         self._last_step: int | None = None

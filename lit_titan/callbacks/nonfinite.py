@@ -29,39 +29,44 @@ with a GradScaler, which skips overflowing steps itself (precision here is 32-tr
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lit_titan.callbacks.settings import NONFINITE_ACTIONS as ACTIONS
+from lit_titan.callbacks.settings import NonFiniteConfig
 from lit_titan.errors import NonFiniteError
 from lit_titan.observe.log_cadence import is_logging_step
 from lit_titan.strategies.contract import module_contract
+from lit_titan.settings import settings_of
 
 __all__ = ["ACTIONS", "NonFiniteError", "NonFiniteGuard"]
-
-ACTIONS = ("stop", "skip_step")
 
 
 class NonFiniteGuard(L.Callback):
     """Stop at (or skip) optimizer steps whose loss or gradient norm is NaN/Inf, identically on all ranks.
 
-    Args:
+    Takes the ``nonfinite`` group (``NonFiniteConfig``; its ``enabled`` is read by job/build.py) or its
+    fields by name:
         action: ``"stop"`` raises ``NonFiniteError`` before the update; ``"skip_step"`` drops the update.
         max_consecutive_skips: with ``"skip_step"``, raise after this many skipped steps in a row
             (a run that keeps producing NaNs will not recover by skipping).
-        check_loss / check_grads: which quantities to check.
+    Not config keys: ``check_loss`` / ``check_grads``, which quantities to check.
     """
 
     def __init__(
         self,
-        action: Literal["stop", "skip_step"] = "stop",
-        max_consecutive_skips: int = 5,
+        settings: NonFiniteConfig | None = None,
+        *,
         check_loss: bool = True,
         check_grads: bool = True,
+        **keys: Any,
     ) -> None:
+        s = self.settings = settings_of(NonFiniteConfig, settings, keys)
+        action, max_consecutive_skips = s.action, s.max_consecutive_skips
         if action not in ACTIONS:
             raise ValueError(
                 f"NonFiniteGuard action={action!r}; choose 'stop' (raise before the update) or "

@@ -20,30 +20,38 @@ from typing import Any
 import lightning as L
 import torch.distributed as dist
 
+from lit_titan.callbacks.settings import FaultConfig, PreflightConfig
 from lit_titan.observe.diagnostics import PreflightError, PreflightFinished, best_of, judge, measure, node_groups
+from lit_titan.settings import settings_of
 from lit_titan.strategies.contract import contract
 
 __all__ = ["Preflight"]
 
 
 class Preflight(L.Callback):
-    """Runs the diagnostics in ``setup`` (process group up, nothing built) and acts on them."""
+    """Runs the diagnostics in ``setup`` (process group up, nothing built) and acts on them.
+
+    ``settings``: the ``preflight`` group (``PreflightConfig``) or its fields by name; ``drill``: the ``fault``
+    group, whose ``slow_rank``/``slow_factor``/``slow_link`` make a rank slow on purpose; ``expected_tflops``:
+    the cluster profile's peak, shown beside the measured median; ``confirm``: re-measurements before a
+    verdict is kept.
+    """
 
     def __init__(
         self,
         run_dir: str,
-        action: str = "warn",
-        threshold: float = 0.5,
+        settings: PreflightConfig | None = None,
+        *,
+        drill: FaultConfig | None = None,
         expected_tflops: float | None = None,
-        slow_rank: int | None = None,
-        slow_factor: float = 4.0,
-        only: bool = False,
-        slow_link: str | None = None,
         confirm: int = 2,
+        **keys: Any,
     ) -> None:
-        self.run_dir, self.action, self.threshold, self.only = Path(run_dir), action, threshold, only
-        self.expected_tflops, self.slow_rank, self.slow_factor = expected_tflops, slow_rank, slow_factor
-        self.slow_link, self.confirm = slow_link, confirm
+        s = self.settings = settings_of(PreflightConfig, settings, keys)
+        drill = drill or FaultConfig()
+        self.run_dir, self.action, self.threshold, self.only = Path(run_dir), s.action, s.threshold, s.only
+        self.expected_tflops, self.slow_rank, self.slow_factor = expected_tflops, drill.slow_rank, drill.slow_factor
+        self.slow_link, self.confirm = drill.slow_link, confirm
         self.result: dict[str, Any] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -29,6 +29,9 @@ from typing import Any
 import lightning as L
 import torch
 
+from lit_titan.callbacks.settings import ProfilerConfig
+from lit_titan.settings import settings_of
+
 __all__ = ["Profiler", "profile_windows"]
 
 log = logging.getLogger(__name__)
@@ -71,7 +74,7 @@ def profile_windows(
 class Profiler(L.Callback):
     """Chrome traces of the chosen optimizer steps on every rank (and CUDA memory snapshots).
 
-    Args:
+    Takes a ``ProfilerConfig`` (``callbacks/settings.py``) or its fields by name:
         steps: ``[first, last]`` optimizer steps to record (from 1).
         every_n_steps: instead, record ``active`` steps from every N-th step.
         active: steps per window with ``every_n_steps``.
@@ -82,26 +85,15 @@ class Profiler(L.Callback):
         run_dir: where ``profile/`` goes (None: the run directory).
     """
 
-    def __init__(
-        self,
-        steps: list[int] | None = None,
-        every_n_steps: int | None = None,
-        active: int = 2,
-        warmup: int = 1,
-        record_shapes: bool = False,
-        with_stack: bool = False,
-        profile_memory: bool = False,
-        memory_snapshot: bool = True,
-        oom_snapshot: bool = True,
-        run_dir: str | None = None,
-    ) -> None:
-        self.steps = list(steps) if steps is not None else None
-        self.every_n_steps = every_n_steps
-        self.active = int(active)
-        self.warmup = max(0, int(warmup))
-        self.record_shapes, self.with_stack, self.profile_memory = record_shapes, with_stack, profile_memory
-        self.memory_snapshot, self.oom_snapshot = memory_snapshot, oom_snapshot
-        self.run_dir = run_dir
+    def __init__(self, settings: ProfilerConfig | None = None, **keys: Any) -> None:
+        s = self.settings = settings_of(ProfilerConfig, settings, keys)
+        self.steps = list(s.steps) if s.steps is not None else None
+        self.every_n_steps = s.every_n_steps
+        self.active = int(s.active)
+        self.warmup = max(0, int(s.warmup))
+        self.record_shapes, self.with_stack, self.profile_memory = s.record_shapes, s.with_stack, s.profile_memory
+        self.memory_snapshot, self.oom_snapshot = s.memory_snapshot, s.oom_snapshot
+        self.run_dir = s.run_dir
         self.traces: list[Path] = []  # written by this process
         self._windows: list[tuple[int, int]] = []
         self._prof: Any = None

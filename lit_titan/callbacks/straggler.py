@@ -41,8 +41,10 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from lit_titan.callbacks.settings import StragglerConfig
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.phases import PHASES
+from lit_titan.settings import settings_of
 
 __all__ = ["StragglerReport", "straggler_stats"]
 
@@ -69,16 +71,17 @@ def straggler_stats(step_s: list[float], outside_s: list[float]) -> dict[str, fl
 class StragglerReport(L.Callback):
     """Every N optimizer steps: gather per-rank step timings, log the slowest rank and its ratio to the median.
 
-    Args:
+    Takes a ``StragglerConfig`` (``callbacks/settings.py``) or its fields by name:
         every_n_steps: report every N optimizer steps (all ranks gather at the same steps).
         warn_ratio: rank 0 prints a warning when ``ratio_to_median`` exceeds this.
     """
 
-    def __init__(self, every_n_steps: int = 100, warn_ratio: float = 1.2) -> None:
-        if every_n_steps < 1:
+    def __init__(self, settings: StragglerConfig | None = None, **keys: Any) -> None:
+        s = self.settings = settings_of(StragglerConfig, settings, keys)
+        if s.every_n_steps < 1:
             raise ValueError("StragglerReport every_n_steps must be >= 1")
-        self.every_n_steps = int(every_n_steps)
-        self.warn_ratio = float(warn_ratio)
+        self.every_n_steps = int(s.every_n_steps)
+        self.warn_ratio = float(s.warn_ratio)
         self.last: dict[str, Any] = {}  # the latest report, with the per-rank lists
         self._hook: Any = None
         self._logged = False

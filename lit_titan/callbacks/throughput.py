@@ -17,10 +17,13 @@ import lightning as L
 import torch
 from torch import nn
 
+from lit_titan.callbacks.settings import ThroughputConfig
 from lit_titan.models.registry import count_params, flops_per_token
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.throughput import Mark, batch_tokens, peak_bf16_tflops, per_device_throughput
 from lit_titan.strategies.contract import contract, module_contract
+from lit_titan.settings import settings_of
+from lit_titan.strategies.contract import contract
 
 __all__ = ["ThroughputMonitor"]
 
@@ -46,18 +49,19 @@ class ThroughputMonitor(L.Callback):
     recipes). It is logged only on devices in ``PEAK_BF16_TFLOPS`` or with an explicit
     ``peak_tflops``; on CPU and unknown GPUs it is not logged at all.
 
-    Args:
+    Takes a ``ThroughputConfig`` (``callbacks/settings.py``) or its fields by name:
         warmup_steps: optimizer steps not measured (the clock starts at the end of the last one).
         log_memory: log CUDA peak allocated / reserved memory (GiB) per device.
         peak_tflops: peak dense bf16 TFLOP/s of the device, overriding the table lookup.
     """
 
-    def __init__(self, warmup_steps: int = 1, log_memory: bool = True, peak_tflops: float | None = None) -> None:
-        if warmup_steps < 1:
+    def __init__(self, settings: ThroughputConfig | None = None, **keys: Any) -> None:
+        s = self.settings = settings_of(ThroughputConfig, settings, keys)
+        if s.warmup_steps < 1:
             raise ValueError("warmup_steps must be >= 1: the first step has no previous step end to time from")
-        self.warmup_steps = warmup_steps
-        self.log_memory = log_memory
-        self.peak_tflops_override = peak_tflops
+        self.warmup_steps = s.warmup_steps
+        self.log_memory = s.log_memory
+        self.peak_tflops_override = s.peak_tflops
         self.last: dict[str, float] = {}
         self.num_params: int | None = None
         self.peak_tflops: float | None = None

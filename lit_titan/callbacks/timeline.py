@@ -32,7 +32,9 @@ from typing import Any
 import lightning as L
 import torch
 
+from lit_titan.callbacks.settings import TimelineConfig
 from lit_titan.observe.phases import PHASES, PhaseClock, StepTimes
+from lit_titan.settings import settings_of
 from lit_titan.strategies.contract import contract
 
 __all__ = ["TIMELINE_COLUMNS", "Timeline"]
@@ -43,12 +45,13 @@ TIMELINE_COLUMNS = ("step", "wall_s", *(f"{p}_s" for p in PHASES), "other_s", "p
 class Timeline(L.Callback):
     """Write ``<run_dir>/timeline/rank-<R>.csv``: per optimizer step, wall time by phase and peak memory.
 
-    Args:
+    Takes a ``TimelineConfig`` (``callbacks/settings.py``) or its fields by name:
         run_dir: where ``timeline/`` goes (None: the trainer's ``default_root_dir``, the run dir).
     """
 
-    def __init__(self, run_dir: str | None = None) -> None:
-        self.run_dir = run_dir
+    def __init__(self, settings: TimelineConfig | None = None, **keys: Any) -> None:
+        self.settings = settings_of(TimelineConfig, settings, keys)
+        self.run_dir = self.settings.run_dir
         self.clock: PhaseClock | None = None
         self.path: Path | None = None
         self.rows: list[dict[str, Any]] = []  # this process's rows, also kept in memory (tests, report)

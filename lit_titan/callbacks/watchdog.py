@@ -43,10 +43,10 @@ from typing import Any
 
 import lightning as L
 
-__all__ = ["WATCHDOG_EXIT_CODE", "Watchdog"]
+from lit_titan.callbacks.settings import WATCHDOG_EXIT_CODE, WatchdogConfig
+from lit_titan.settings import settings_of
 
-# EX_TEMPFAIL (sysexits.h): "temporary failure, the user is invited to retry" -- a restart may succeed.
-WATCHDOG_EXIT_CODE = 75
+__all__ = ["WATCHDOG_EXIT_CODE", "Watchdog"]
 
 _ACTIVE: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 
@@ -64,39 +64,34 @@ class Watchdog(L.Callback):
     ``timeout_s``, or be wrapped in :meth:`paused`). Code outside the hooks signals progress with
     :meth:`beat` or, without a reference to the callback, :meth:`Watchdog.heartbeat`.
 
-    Args:
+    Takes a ``WatchdogConfig`` (``callbacks/settings.py``) or its fields by name:
         timeout_s: seconds without progress before the rank dumps its stacks and exits.
         first_step_timeout_s: the allowance for the first training batch (None: ``timeout_s``).
         run_dir: where ``hang/`` goes (None: the trainer's ``default_root_dir``, the run dir
             under ``python -m lit_titan.train``).
         exit_code: the process exit status when the watchdog fires (default 75, EX_TEMPFAIL).
         exit_delay_s: seconds between dumping and exiting, so peers can dump too.
-        poll_interval_s: how often the thread checks (None: ``timeout_s / 20``, 0.1 to 5 s).
         backstop_s: extra seconds for the C-level backstop (None disables it; it takes over
             ``faulthandler.dump_traceback_later``, of which a process has one).
+    Not a config key: ``poll_interval_s``, how often the thread checks (None: ``timeout_s / 20``, 0.1 to 5 s).
     """
 
     def __init__(
-        self,
-        timeout_s: float = 600.0,
-        first_step_timeout_s: float | None = None,
-        run_dir: str | None = None,
-        exit_code: int = WATCHDOG_EXIT_CODE,
-        exit_delay_s: float = 10.0,
-        poll_interval_s: float | None = None,
-        backstop_s: float | None = 60.0,
+        self, settings: WatchdogConfig | None = None, *, poll_interval_s: float | None = None, **keys: Any
     ) -> None:
+        s = self.settings = settings_of(WatchdogConfig, settings, keys)
+        timeout_s, first_step_timeout_s, exit_code = s.timeout_s, s.first_step_timeout_s, s.exit_code
         if timeout_s <= 0 or (first_step_timeout_s is not None and first_step_timeout_s <= 0):
             raise ValueError("Watchdog timeouts must be > 0 seconds")
         if exit_code == 0:
             raise ValueError("Watchdog exit_code must be non-zero, or a launcher would not restart the job")
         self.timeout_s = float(timeout_s)
         self.first_step_timeout_s = float(first_step_timeout_s or timeout_s)
-        self.run_dir = run_dir
+        self.run_dir = s.run_dir
         self.exit_code = int(exit_code)
-        self.exit_delay_s = max(0.0, float(exit_delay_s))
+        self.exit_delay_s = max(0.0, float(s.exit_delay_s))
         self.poll_interval_s = float(poll_interval_s or min(5.0, max(0.1, self.timeout_s / 20)))
-        self.backstop_s = backstop_s
+        self.backstop_s = s.backstop_s
         self.rank = 0
         self.hang_dir: Path | None = None
         # (monotonic time, what, global step) of the last progress; replaced whole, read by the thread.

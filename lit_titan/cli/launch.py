@@ -31,8 +31,8 @@ import time
 from omegaconf import DictConfig
 
 from lit_titan.config import compose, validate
-from lit_titan.config.schema import LAUNCHERS
 from lit_titan.errors import ConfigError
+from lit_titan.job.settings import LAUNCHERS
 from lit_titan.strategies.parallel_dims import LayoutError
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -1,18 +1,22 @@
-"""The typed schema of the whole config tree: one dataclass field per config key, with its range.
+"""The typed schema of the whole config tree: one dataclass field per config key, with its rule.
 
 Why a schema module: OmegaConf refuses a wrong type or an unknown key only when it has a structured
 config (a dataclass) to merge into; ``lit_titan.config.schema_check`` merges the composed job config into
-``TrainSchema`` (OmegaConf does the type checks) and then checks each field's ``key(...)`` rule
-(ranges, choices). So **adding a config key is one line here**, in the dataclass of its group::
+``TrainSchema`` (OmegaConf does the type checks) and then checks each field's ``setting(...)`` rule
+(ranges, choices).
 
-    sliding_window: Optional[int] = key(ge=1)          # in ModelSchema, for conf/model/*.yaml's model.sliding_window
+A group is its component's own settings dataclass, imported from the torch-free ``settings.py`` beside
+the code that reads it (``parallel``: ``strategies/settings.py``; ``optim``; ``data``; ``checkpoint``,
+``nonfinite``, ``fault``, ``preflight`` and the ``conf/callbacks/`` nodes: ``callbacks/settings.py``;
+``trainer``, ``cluster``, ``loss``: ``job/settings.py``), so **adding a key is one field there** and its
+yaml line; the component receives the field. Declared here: the job's own top-level keys, the model
+group, and the nodes of Lightning's loggers and profilers (their constructors are Lightning's).
 
-and a yaml key without such a line is refused by name (``tests/unit/config/test_schema.py`` composes every option of
-every group, so a new yaml key with no schema line fails the suite). ``_target_`` nodes (callbacks,
-loggers, profiler) are looked up by their ``_target_`` in ``TARGET_SCHEMAS``; a user's own class is
-checked by its constructor's signature instead.
+A yaml key without a field is refused by name (``tests/unit/config/test_schema.py`` composes every option
+of every group). ``_target_`` nodes (callbacks, loggers, profiler) are looked up by their ``_target_`` in
+``TARGET_SCHEMAS``; a user's own class is checked by its constructor's signature instead.
 
-Defaults are ``MISSING`` on purpose: the yaml files hold the defaults, this module only says what is
+``key(...)`` fields default to ``MISSING``: the yaml files hold the defaults, this module only says what is
 allowed (a group option that leaves a key out is fine).
 """
 
@@ -24,18 +28,22 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from lit_titan.callbacks.settings import (
+    TARGETS,
+    CheckpointConfig,
+    FaultConfig,
+    NonFiniteConfig,
+    PreflightConfig,
+)
 from lit_titan.data.settings import DataConfig
+from lit_titan.job.settings import LAUNCHERS, PRECISIONS, ClusterConfig, LossConfig, TrainerConfig
 from lit_titan.optim.settings import OptimConfig
-from lit_titan.settings import setting
-from lit_titan.strategies.settings import AC_MODES, FLOAT8_RECIPES, ParallelConfig
+from lit_titan.settings import non_empty_str, path_or_null, setting
+from lit_titan.strategies.settings import ParallelConfig
 
-# Choices only the config checks. The choices a component checks itself are imported above from the
-# torch-free module that declares them; the launchers are the config's own (cli/launch.py imports them).
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+# Choices only the config checks (the component-owned lists come with their settings dataclasses).
 ATTENTIONS = ("sdpa", "flex")
-ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
-LAUNCHERS = ("torchrun", "srun")
-NONFINITE_ACTIONS = ("stop", "skip_step")
+__all__ = ["LAUNCHERS", "TrainSchema", "TARGET_SCHEMAS", "key"]
 
 
 def key(
@@ -54,45 +62,10 @@ def key(
     return setting(MISSING, ge=ge, gt=gt, le=le, lt=lt, choices=choices, check=check, allow=allow)
 
 
-def _chunk_tokens(value: Any) -> str | None:
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return None
-    return "not auto or a token count; use auto, 0 (off) or a positive number of tokens"
-
-
-def _number_or_fraction(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        return "not a count or a fraction; use an int >= 0 (that many) or a float in [0, 1] (that fraction)"
-    if isinstance(value, float) and value > 1:
-        return "a float is a fraction; use one in [0, 1], or an int for a count"
-    return None
-
-
-def _positive_number_or_fraction(value: Any) -> str | None:
-    problem = _number_or_fraction(value)
-    return problem or ("zero; use an int >= 1 or a fraction in (0, 1]" if value == 0 else None)
-
-
-def _non_empty_str(value: Any) -> str | None:
-    return None if isinstance(value, str) and value.strip() else "empty or not a string; give a non-empty string"
-
-
-def _errno_name(value: Any) -> str | None:
-    import errno
-
-    return (
-        None if isinstance(value, str) and hasattr(errno, value) else "not an errno name; use e.g. ENOSPC, EACCES, EIO"
-    )
-
-
-def _path_like(value: Any) -> str | None:
-    return None if value is None or isinstance(value, str) else "not a path; give a path (a string) or null"
-
-
 # ---- groups ---------------------------------------------------------------------------------------------
 @dataclass
 class ModelSchema:  # conf/model/*.yaml
-    name: str = key(check=_non_empty_str)
+    name: str = key(check=non_empty_str)
     vocab_size: int = key(ge=1)
     dim: int | None = key(ge=1)
     n_layers: int | None = key(ge=1)
@@ -114,197 +87,34 @@ class ModelSchema:  # conf/model/*.yaml
 
 
 @dataclass
-class ClusterSchema:  # conf/cluster/*.yaml
-    accelerator: str = key(choices=ACCELERATORS)
-    devices: int = key(ge=1)
-    num_nodes: int = key(ge=1)
-    launcher: str = key(choices=LAUNCHERS)
-    precision: str = key(choices=PRECISIONS)
-    gpus_per_node: int | None = key(ge=1)
-    hbm_gib: float | None = key(gt=0)
-    hbm_gbps: float | None = key(gt=0)
-    peak_bf16_tflops: float | None = key(gt=0)
-    peak_fp32_tflops: float | None = key(gt=0)
-    fp8: bool | None = key()
-    intra_node_gbps: float | None = key(gt=0)
-    inter_node_gbps: float | None = key(gt=0)
-    cores_per_node: int | None = key(ge=1)
-    timeout_s: int = key(ge=1)
-    log_every_n_steps: int = key(ge=1)
-    data_workers: int = key(ge=0)
-    flight_recorder_entries: int = key(ge=0)
-    # optional profile keys (no yaml of ours sets them): launches (lit-titan launch, hydra/launcher=submitit_*)
-    max_restarts: int | None = key(ge=0)
-    partition: str | None = key(check=_non_empty_str)
-    account: str | None = key(check=_non_empty_str)
-    qos: str | None = key(check=_non_empty_str)
-    constraint: str | None = key(check=_non_empty_str)
-    time_min: int | None = key(ge=1)
-    cpus_per_task: int | None = key(ge=1)
-    mem_gb: float | None = key(gt=0)
-    sbatch: dict[str, Any] | None = key()
-    setup: list[str] | None = key()
-
-
-@dataclass
-class LossSchema:
-    chunk_tokens: Any = key(check=_chunk_tokens)
-
-
-@dataclass
-class TrainerSchema:
-    max_steps: int = key(ge=1)
-    gradient_clip_val: float | None = key(ge=0)
-    log_every_n_steps: int = key(ge=1)
-    limit_val_batches: Any = key(check=_number_or_fraction)
-    val_check_interval: Any = key(check=_positive_number_or_fraction)
-    enable_progress_bar: bool = key()
-    deterministic: bool = key()
-
-
-@dataclass
-class CheckpointSchema:
-    enabled: bool = key()
-    every_n_steps: int = key(ge=0)
-    keep_last: int = key(ge=0)
-    async_save: bool = key()
-
-
-@dataclass
-class NonFiniteSchema:  # the non-finite guard (lit_titan/callbacks/nonfinite.py), a top-level group
-    enabled: bool = key()
-    action: str = key(choices=NONFINITE_ACTIONS)
-    max_consecutive_skips: int = key(ge=1)
-
-
-@dataclass
-class FaultSchema:
-    kill_rank: int | None = key(ge=0)
-    at_step: int | None = key(ge=1)
-    during_save: bool = key()
-    save_error: str | None = key(check=_errno_name)
-    stage_error: str | None = key(check=_errno_name)
-    pause: bool = key()
-    slow_rank: int | None = key(ge=0)  # the pre-flight drill
-    slow_factor: float = key(gt=0)
-    slow_link: str | None = key(choices=("intra_node", "inter_node", "pp", "dp_replicate", "dp_shard", "cp", "tp"))
-
-
-@dataclass
-class PreflightSchema:  # pre-flight diagnostics (lit_titan/observe/diagnostics.py)
-    enabled: bool = key()
-    action: str = key(choices=("warn", "stop"))
-    threshold: float = key(gt=0, le=1)
-    only: bool = key()
-
-
-@dataclass
 class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydra's, checked by Hydra)
     seed: int = key(ge=0)
     run_dir: str | None = key()
     precision: str = key(choices=PRECISIONS)
     tf32: bool = key()
-    resume: str | None = key(check=_non_empty_str)
+    resume: str | None = key(check=non_empty_str)
     model: ModelSchema = field(default_factory=ModelSchema)
     data: DataConfig = field(default_factory=DataConfig)  # what PretrainDataModule is built from
     optim: OptimConfig = field(default_factory=OptimConfig)  # what optim/build.py builds from
-    cluster: ClusterSchema = field(default_factory=ClusterSchema)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the Trainer's devices, the planner's facts
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TitanStrategy's own argument
-    loss: LossSchema = field(default_factory=LossSchema)
-    trainer: TrainerSchema = field(default_factory=TrainerSchema)
-    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
-    nonfinite: NonFiniteSchema = field(default_factory=NonFiniteSchema)
-    fault: FaultSchema = field(default_factory=FaultSchema)
-    preflight: PreflightSchema = field(default_factory=PreflightSchema)
+    loss: LossConfig = field(default_factory=LossConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # Lightning Trainer arguments
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     # _target_ nodes: each checked against TARGET_SCHEMAS[its _target_] (lit_titan.config.schema_check)
     logger: dict[str, Any] | None = key()
     callbacks: dict[str, Any] | None = key()
     profiler: dict[str, Any] | None = key()
 
 
-# ---- _target_ nodes (conf/callbacks/, conf/logger/, conf/profiler/) --------------------------------------
-@dataclass
-class ActivationCheckpointingSchema:
-    _target_: str = key()
-    mode: str = key(choices=AC_MODES)
-    every_n_layers: int = key(ge=1)
-
-
-@dataclass
-class CompileSchema:
-    _target_: str = key()
-    fullgraph: bool = key()
-    backend: str = key(check=_non_empty_str)
-    mode: str | None = key(check=_non_empty_str)
-    compile_loss: bool = key()
-
-
-@dataclass
-class Float8Schema:
-    _target_: str = key()
-    recipe: str = key(choices=FLOAT8_RECIPES)
-    enable_fsdp_float8_all_gather: bool = key()
-    precompute_scales: bool = key()
-    emulate: bool = key()
-    filter_fqns: list[str] = key()
-    min_dim: int = key(ge=1)
-    auto_filter_small_kn: bool = key()
-    float8_tp: bool = key()
-
-
-@dataclass
-class ProfilerCallbackSchema:
-    _target_: str = key()
-    steps: list[int] | None = key(
-        check=lambda v: None if all(s >= 1 for s in v) else "steps count from 1; use e.g. [3, 4]"
-    )
-    every_n_steps: int | None = key(ge=1)
-    active: int = key(ge=1)
-    warmup: int = key(ge=0)
-    record_shapes: bool = key()
-    with_stack: bool = key()
-    profile_memory: bool = key()
-    memory_snapshot: bool = key()
-    oom_snapshot: bool = key()
-    run_dir: str | None = key(check=_path_like)
-
-
-@dataclass
-class StragglerSchema:
-    _target_: str = key()
-    every_n_steps: int = key(ge=1)
-    warn_ratio: float = key(gt=1)
-
-
-@dataclass
-class ThroughputSchema:
-    _target_: str = key()
-    warmup_steps: int = key(ge=0)
-    log_memory: bool = key()
-    peak_tflops: float | None = key(gt=0)
-
-
-@dataclass
-class TimelineSchema:
-    _target_: str = key()
-    run_dir: str | None = key(check=_path_like)
-
-
-@dataclass
-class WatchdogSchema:
-    _target_: str = key()
-    timeout_s: float = key(gt=0)
-    first_step_timeout_s: float = key(gt=0)
-    run_dir: str | None = key(check=_path_like)
-    exit_code: int = key(ge=1, le=255)
-    exit_delay_s: float = key(ge=0)
-    backstop_s: float = key(ge=0)
-
-
+# ---- Lightning's _target_ nodes (conf/logger/, conf/profiler/): the keys of theirs that our yaml sets ------
 @dataclass
 class CSVLoggerSchema:
     _target_: str = key()
-    save_dir: str | None = key(check=_path_like)  # null until run_dir is chosen
+    save_dir: str | None = key(check=path_or_null)  # null until run_dir is chosen
     name: str = key()
     version: str = key()
 
@@ -317,27 +127,20 @@ class TensorBoardLoggerSchema(CSVLoggerSchema):
 @dataclass
 class WandbLoggerSchema:
     _target_: str = key()
-    save_dir: str | None = key(check=_path_like)  # null until run_dir is chosen
-    project: str = key(check=_non_empty_str)
+    save_dir: str | None = key(check=path_or_null)  # null until run_dir is chosen
+    project: str = key(check=non_empty_str)
     offline: bool = key()
 
 
 @dataclass
 class LightningProfilerSchema:  # Simple/Advanced/PyTorch profilers: the keys conf/profiler/ sets
     _target_: str = key()
-    dirpath: str | None = key(check=_path_like)  # null until run_dir is chosen
-    filename: str = key(check=_non_empty_str)
+    dirpath: str | None = key(check=path_or_null)  # null until run_dir is chosen
+    filename: str = key(check=non_empty_str)
 
 
 TARGET_SCHEMAS: dict[str, type] = {
-    "lit_titan.callbacks.ActivationCheckpointing": ActivationCheckpointingSchema,
-    "lit_titan.callbacks.Compile": CompileSchema,
-    "lit_titan.callbacks.Float8": Float8Schema,
-    "lit_titan.callbacks.Profiler": ProfilerCallbackSchema,
-    "lit_titan.callbacks.StragglerReport": StragglerSchema,
-    "lit_titan.callbacks.ThroughputMonitor": ThroughputSchema,
-    "lit_titan.callbacks.Timeline": TimelineSchema,
-    "lit_titan.callbacks.Watchdog": WatchdogSchema,
+    **TARGETS,  # our callbacks: their own settings (callbacks/settings.py)
     "lightning.pytorch.loggers.CSVLogger": CSVLoggerSchema,
     "lit_titan.observe.csv_logger.RunDirCSVLogger": CSVLoggerSchema,  # conf/logger/csv.yaml
     "lightning.pytorch.loggers.TensorBoardLogger": TensorBoardLoggerSchema,
@@ -346,5 +149,3 @@ TARGET_SCHEMAS: dict[str, type] = {
     "lightning.pytorch.profilers.AdvancedProfiler": LightningProfilerSchema,
     "lightning.pytorch.profilers.PyTorchProfiler": LightningProfilerSchema,
 }
-
-__all__ = ["TrainSchema", "TARGET_SCHEMAS", "key"]

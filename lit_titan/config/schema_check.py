@@ -190,7 +190,8 @@ def compose_error_line(text: str, overrides: list[str], options: Callable[[str],
         given = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), key)
         return (
             f"{given}: {key} is not a config key; check its spelling (python -m lit_titan.train --cfg job lists "
-            f"every key); a new key needs a yaml line and one line in lit_titan/config/schema.py (docs/configuration.md)"
+            f"every key); a new key needs a yaml line and one line in {declared_in(TrainSchema, key)} "
+            f"(docs/configuration.md)"
         )
     group = re.search(r"Could not (?:find|load) '([^']+)'", text)
     if group:
@@ -230,7 +231,7 @@ def _merge(schema: type, data: dict[str, Any], prefix: str) -> None:
         raise ConfigError(
             f"{full}={_show(_lookup(data, str(err.full_key)))}: not a config key; check its spelling"
             + (f" (keys here: {valid})" if valid else "")
-            + "; a new key needs one line in lit_titan/config/schema.py (docs/configuration.md)"
+            + f"; a new key needs one line in {declared_in(schema, str(err.full_key))} (docs/configuration.md)"
         ) from None
     except (ValidationError, OmegaConfBaseException) as err:
         key = str(getattr(err, "full_key", "") or "")
@@ -253,6 +254,18 @@ def _signature_keys(target: str, where: str) -> set[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params if p.name != "self"}
+
+
+def declared_in(schema: type, dotted: str) -> str:
+    """The file holding the dataclass a new key under ``dotted``'s group goes in: a component's
+    ``settings.py`` (e.g. ``lit_titan/optim/settings.py``) or ``lit_titan/config/schema.py``."""
+    node: Any = schema
+    for part in dotted.split(".")[:-1]:
+        kind = typing.get_type_hints(node).get(part)
+        if not dataclasses.is_dataclass(kind):
+            break
+        node = kind
+    return node.__module__.replace(".", "/") + ".py"
 
 
 def _parent(schema: type, dotted: str) -> tuple[type | None, str]:

@@ -9,15 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lit_titan.settings import setting
+from lit_titan.settings import non_empty_str, setting
 
 CORPORA = ("stdlib", "text", "tokens", "mixture")
 TOKENIZER_KINDS = ("bpe", "hf", "shards")
 DEFAULT_MAX_BYTES = 8_000_000
-
-
-def _non_empty_str(value: Any) -> str | None:
-    return None if isinstance(value, str) and value.strip() else "empty or not a string; give a non-empty string"
 
 
 @dataclass
@@ -31,7 +27,7 @@ class TokenizerConfig:  # data.tokenizer
 
 @dataclass
 class SourceConfig:  # one entry of data.sources (data=mixture)
-    path: str = setting(check=_non_empty_str)
+    path: str = setting(check=non_empty_str)
     weight: float = setting(1.0, gt=0)
 
 
@@ -39,7 +35,7 @@ class SourceConfig:  # one entry of data.sources (data=mixture)
 class DataConfig:
     """Where the documents are, how they are tokenized, batched and ordered (docs/data.md)."""
 
-    _target_: str = setting("lit_titan.data.PretrainDataModule", check=_non_empty_str)  # Hydra's
+    _target_: str = setting("lit_titan.data.PretrainDataModule", check=non_empty_str)  # Hydra's
     corpus: str = setting("stdlib", choices=CORPORA)
     path: str | None = setting(None)
     max_bytes: int | None = setting(DEFAULT_MAX_BYTES, ge=1)
@@ -56,6 +52,6 @@ class DataConfig:
     document_masking: bool = setting(False)
     storage_options: dict[str, Any] | None = setting(None)
     val_fraction: float = setting(0.02, ge=0, lt=1)
-    data_dir: str = setting("data_cache", check=_non_empty_str)
+    data_dir: str = setting("data_cache", check=non_empty_str)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     sources: list[SourceConfig] | None = setting(None)

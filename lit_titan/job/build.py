@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from lit_titan.callbacks.settings import CheckpointConfig, FaultConfig, NonFiniteConfig, PreflightConfig
+from lit_titan.job.settings import ClusterConfig, LossConfig, TrainerConfig
 from lit_titan.observe.redact import secrets_of
 
 if TYPE_CHECKING:
     from lit_titan.config import JobSpec
+
+T = TypeVar("T")
 
 __all__ = [
     "build_callbacks",
@@ -27,8 +32,17 @@ __all__ = [
     "build_module",
     "build_strategy",
     "instantiate",
+    "settings_group",
     "tensorboard_dir",
+    "trainer_arguments",
 ]
+
+
+def settings_group(cfg: DictConfig, name: str, cls: type[T]) -> T:
+    """The ``name`` group of a checked config as its component's settings dataclass (absent: the defaults,
+    e.g. a ``config.yaml`` written before the group existed)."""
+    node = cfg.get(name)
+    return cls(**OmegaConf.to_container(node, resolve=True)) if node is not None else cls()
 
 
 def instantiate(node: DictConfig, **kwargs: Any) -> Any:
@@ -99,8 +113,23 @@ def build_strategy(cfg: DictConfig, spec: JobSpec | None = None):
         ParallelConfig(**OmegaConf.to_container(cfg.parallel, resolve=True)),
         dims=spec.dims if spec is not None else None,
         tf32=bool(cfg.get("tf32", True)),
-        timeout=timedelta(seconds=int(cfg.cluster.get("timeout_s", 1800))),
+        timeout=timedelta(seconds=settings_group(cfg, "cluster", ClusterConfig).timeout_s),
     )
+
+
+def trainer_arguments(cfg: DictConfig, spec: JobSpec) -> dict[str, Any]:
+    """Lightning ``Trainer``'s arguments from the ``trainer`` group (``TrainerConfig``: Trainer arguments by
+    their own names, passed on as they are), the cluster's devices and the spec's precision and accumulation."""
+    trainer, cluster = settings_group(cfg, "trainer", TrainerConfig), settings_group(cfg, "cluster", ClusterConfig)
+    return {
+        **asdict(trainer),
+        "val_check_interval": trainer.val_check_interval if trainer.limit_val_batches else None,
+        "accelerator": cluster.accelerator,
+        "devices": cluster.devices,
+        "num_nodes": cluster.num_nodes,
+        "precision": spec.precision,
+        "accumulate_grad_batches": spec.batch.accumulation,
+    }
 
 
 def tensorboard_dir(cfg: DictConfig) -> str | None:
@@ -132,7 +161,7 @@ def build_module(cfg: DictConfig) -> Any:
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         seed=int(cfg.seed),
         init_from_hf=cfg.model.get("init_from_hf"),
-        loss_chunk_tokens=(cfg.get("loss") or {}).get("chunk_tokens", "auto"),
+        loss_chunk_tokens=settings_group(cfg, "loss", LossConfig).chunk_tokens,
     )
 
 
@@ -146,72 +175,40 @@ def build_callbacks(cfg: DictConfig, run_dir: Path, run_keys: dict[str, Any], ex
     from lit_titan.data.progress import DataProgress
     from lit_titan.job.resume import continue_command
 
+    checkpoint = settings_group(cfg, "checkpoint", CheckpointConfig)
+    fault = settings_group(cfg, "fault", FaultConfig)
+    preflight = settings_group(cfg, "preflight", PreflightConfig)
+    guard = settings_group(cfg, "nonfinite", NonFiniteConfig)
     summary = RunSummary(
         run_dir=str(run_dir),
         continue_command=continue_command(cfg, run_dir),
         tensorboard_dir=tensorboard_dir(cfg),
-        checkpoint_dir=str(run_dir / "checkpoints") if cfg.checkpoint.enabled else None,
+        checkpoint_dir=str(run_dir / "checkpoints") if checkpoint.enabled else None,
     )
     configured = [instantiate(node) for node in (cfg.get("callbacks") or {}).values()]
     all_callbacks = [summary, DataProgress(), *configured, *extra]
-    if (cfg.get("preflight") or {}).get("enabled"):  # first: it may end the job before the others act
+    if preflight.enabled:  # first: it may end the job before the others act
         from lit_titan.callbacks.preflight import Preflight
         from lit_titan.observe.throughput import peak_flops
 
         peak = peak_flops(OmegaConf.to_container(cfg.cluster, resolve=True), str(cfg.precision)) / 1e12
-        all_callbacks.insert(
-            0,
-            Preflight(
-                str(run_dir),
-                action=str(cfg.preflight.action),
-                threshold=float(cfg.preflight.threshold),
-                expected_tflops=peak or None,
-                slow_rank=cfg.fault.get("slow_rank"),
-                slow_factor=float(cfg.fault.get("slow_factor", 4.0)),
-                slow_link=cfg.fault.get("slow_link"),
-                only=bool(cfg.preflight.get("only", False)),
-            ),
-        )
-    guard = cfg.get("nonfinite") or {}
-    if guard.get("enabled", True):  # before Checkpointing: a step's update is decided before its save
+        all_callbacks.insert(0, Preflight(str(run_dir), preflight, drill=fault, expected_tflops=peak or None))
+    if guard.enabled:  # before Checkpointing: a step's update is decided before its save
         from lit_titan.callbacks import NonFiniteGuard
 
-        all_callbacks.append(
-            NonFiniteGuard(
-                action=str(guard.get("action", "stop")),
-                max_consecutive_skips=int(guard.get("max_consecutive_skips", 5)),
-            )
-        )
-    if cfg.checkpoint.enabled:
-        c = cfg.checkpoint
-        all_callbacks.append(
-            Checkpointing(
-                dirpath=str(run_dir / "checkpoints"),
-                every_n_steps=int(c.every_n_steps),
-                keep_last=int(c.keep_last),
-                async_save=bool(c.async_save),
-                fingerprint=run_keys,
-            )
-        )
-    if cfg.fault.kill_rank is not None:
-        all_callbacks.append(
-            FaultInjection(
-                kill_rank=int(cfg.fault.kill_rank),
-                at_step=int(cfg.fault.at_step),
-                during_save=bool(cfg.fault.during_save),
-                save_error=cfg.fault.get("save_error"),
-                stage_error=cfg.fault.get("stage_error"),
-                pause=bool(cfg.fault.get("pause", False)),
-            )
-        )
+        all_callbacks.append(NonFiniteGuard(guard))
+    if checkpoint.enabled:
+        all_callbacks.append(Checkpointing(str(run_dir / "checkpoints"), checkpoint, fingerprint=run_keys))
+    if fault.kill_rank is not None:
+        all_callbacks.append(FaultInjection(fault))
     # SIGTERM/SIGUSR1 on any rank, or the data store gone: save, one line, the requeue exit code
     all_callbacks.append(Preemption(continue_command=continue_command(cfg, run_dir, more_steps=False)))
-    t = cfg.trainer
+    t = settings_group(cfg, "trainer", TrainerConfig)
     from lightning.pytorch.callbacks import ProgressBar
 
     from lit_titan.callbacks import StepProgressBar
 
     if t.enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in all_callbacks):
         # In optimizer steps; redrawn when a metrics row is written (a redraw reads the logged loss).
-        all_callbacks.append(StepProgressBar(refresh_rate=max(1, int(t.log_every_n_steps))))
+        all_callbacks.append(StepProgressBar(refresh_rate=max(1, t.log_every_n_steps)))
     return summary, all_callbacks

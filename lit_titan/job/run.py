@@ -21,9 +21,12 @@ from lit_titan.job.build import (
     build_module,
     build_strategy,
     instantiate,
+    settings_group,
+    trainer_arguments,
 )
 from lit_titan.job.ranks import is_launcher_rank_zero
 from lit_titan.job.resume import archive_metrics, resolve_resume
+from lit_titan.job.settings import ClusterConfig
 from lit_titan.observe.redact import redact, write_private
 
 __all__ = ["resolve_run_dir", "train", "with_flavor"]
@@ -84,27 +87,15 @@ def train(cfg: DictConfig, callbacks: list | None = None, spec: JobSpec | None =
         archive_metrics(run_dir)
     from lit_titan.observe import flight_recorder
 
-    flight_recorder.enable(int(cfg.cluster.get("flight_recorder_entries", 0) or 0), run_dir / "hang")
+    flight_recorder.enable(settings_group(cfg, "cluster", ClusterConfig).flight_recorder_entries, run_dir / "hang")
 
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     datamodule = build_datamodule(cfg, spec)
     module = build_module(cfg)
     summary, all_callbacks = build_callbacks(cfg, run_dir, run_keys, extra=callbacks or [])
-    t = cfg.trainer
     trainer = L.Trainer(
-        accelerator=cfg.cluster.accelerator,
-        devices=cfg.cluster.devices,
-        num_nodes=cfg.cluster.num_nodes,
+        **trainer_arguments(cfg, spec),
         strategy=build_strategy(cfg, spec),
-        precision=spec.precision,
-        max_steps=int(t.max_steps),
-        accumulate_grad_batches=spec.batch.accumulation,
-        gradient_clip_val=t.gradient_clip_val,
-        log_every_n_steps=t.log_every_n_steps,
-        limit_val_batches=t.limit_val_batches,
-        val_check_interval=t.val_check_interval if t.limit_val_batches else None,
-        enable_progress_bar=t.enable_progress_bar,
-        deterministic=t.deterministic,
         logger=build_loggers(cfg, run_dir),
         callbacks=all_callbacks,
         default_root_dir=str(run_dir),

@@ -153,7 +153,7 @@ def test_bad_sweep_from_the_command_line_is_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         "lit-titan: error: optim.lrr=1e-3: optim.lrr is not a config key; check its spelling (python -m "
-        "lit_titan.train --cfg job lists every key); a new key needs a yaml line and one line in lit_titan/config/schema.py "
+        "lit_titan.train --cfg job lists every key); a new key needs a yaml line and one line in lit_titan/optim/settings.py "
         "(docs/configuration.md)"
     ]
     assert not (tmp_path / "sweep").exists()

@@ -56,11 +56,11 @@ def test_compile_callback_compiles_each_block_in_place():
 
 def test_callbacks_refuse_strategies_that_cannot_apply_them():
     trainer = SimpleNamespace(strategy=object())
-    for cb in (ActivationCheckpointing("full"), Compile()):
+    for cb in (ActivationCheckpointing(mode="full"), Compile()):
         with pytest.raises(TypeError, match="TitanStrategy"):
             cb.setup(trainer, None, "fit")
     with pytest.raises(ValueError, match="selective_op"):
-        ActivationCheckpointing("sometimes")
+        ActivationCheckpointing(mode="sometimes")
 
 
 def test_compile_refuses_context_parallel():
