@@ -55,7 +55,19 @@ def clip_and_step(model, opt) -> float:
 
 
 def reference(steps: int) -> dict:
-    """One process, the whole global batch in one forward: losses, pre-clip norms, final weights."""
+    """One process, the whole global batch in one forward: losses, pre-clip norms, final weights.
+
+    On one thread: intra-op threads spin against the forked ranks on a loaded machine (41 s instead of 0.8 s).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(steps: int) -> dict:
     torch.manual_seed(SEED)
     model = build()
     opt = optimizer(model)
@@ -120,7 +132,7 @@ def worker(out: str, replica: int, replicas: int, shard: int, shards: int, port:
                     loss_sum = loss_sum + train(tokens, ft.recover())
             losses.append(float(loss))
             norms.append(clip_and_step(model, opt))
-        full = {n: q.full_tensor() for n, q in model.named_parameters()}
+        full = {n: q.full_tensor().detach() for n, q in model.named_parameters()}
     if shard == 0:
         torch.save(full, Path(out) / f"params-replica{replica}.pt")
         curve = {"losses": losses, "norms": norms, "members": ft.members}
@@ -136,7 +148,17 @@ def run_job(out: Path, replicas: int, shards: int, mutant: str | None = None) ->
     """
     import multiprocessing
 
+    import torch._dynamo  # noqa: F401  (what FSDP's first use and the model's init import: once, for every rank)
     import torch.distributed as dist
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
+
+    import lit_titan.fault_tolerance  # noqa: F401
+    import lit_titan.models.llama3.parallelize  # noqa: F401
+    import lit_titan.models.registry  # noqa: F401
+    import lit_titan.strategies.fsdp  # noqa: F401
+    import mutants  # noqa: F401
 
     out.mkdir(parents=True, exist_ok=True)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
