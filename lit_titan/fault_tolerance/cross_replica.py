@@ -34,3 +34,10 @@ class CrossReplicaGroup:
         """Sum ``flat`` in place over the members; raises (RuntimeError) when a member is gone."""
         if self._pg is not None:
             self._pg.allreduce([flat]).wait()
+
+    def broadcast(self, tensors: list[torch.Tensor], source: int) -> None:
+        """Copy every tensor of member replica ``source`` into the others' (in place)."""
+        if self._pg is not None:
+            root = self.members.index(source)
+            for t in tensors:
+                self._pg.broadcast(t, root).wait()

@@ -14,16 +14,24 @@ FILE = "membership.csv"
 class MembershipChange:
     step: int
     epoch: int
-    left: str  # replica groups that left, e.g. "1" or "1 2"
+    event: str  # "left" or "joined"
+    replicas: str  # the replica groups that left or joined, e.g. "1" or "1 2"
     ranks: str  # their global ranks
     members: str  # replica groups training after the change
     detect_s: float  # from the cross-replica all-reduce's start to its failure
     agree_s: float  # the membership agreement (waiting out the dead ranks' heartbeats)
     rebuild_s: float  # the new cross-replica process group
+    transfer_s: float = 0.0  # a joining group's weights and optimizer state from a live peer
 
     def line(self) -> str:
+        if self.event == "joined":
+            return (
+                f"lit-titan: replica group {self.replicas} (ranks {self.ranks}) joined at step {self.step} with "
+                f"a live peer's weights and optimizer state; replica groups {self.members} train "
+                f"(regroup {self.rebuild_s:.2f} s, state transfer {self.transfer_s:.2f} s)"
+            )
         return (
-            f"lit-titan: replica group {self.left} (ranks {self.ranks}) left at step {self.step}; "
+            f"lit-titan: replica group {self.replicas} (ranks {self.ranks}) left at step {self.step}; "
             f"replica groups {self.members} train its samples (detected {self.detect_s:.2f} s, "
             f"membership {self.agree_s:.2f} s, regroup {self.rebuild_s:.2f} s)"
         )

@@ -66,6 +66,7 @@ REFERENCE_TARGETS = {
 OWN_TESTS = {
     "ft_survivors_keep_old_normaliser": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
     "ft_dead_samples_skipped": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
+    "ft_rejoin_stale_weights": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
 }
 
 

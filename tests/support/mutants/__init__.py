@@ -372,3 +372,14 @@ def _ft_dead_samples_skipped(p: _Patcher) -> None:
         return shares.Assignment(self.global_batch, self.shards, chunks), {r: [] for r in gained}
 
     p.set(shares.Assignment, "without", without)
+
+
+@mutant(
+    "ft_rejoin_stale_weights",
+    "a replica group that rejoins keeps the weights and optimizer state it restarted with (no transfer from a peer)",
+    "fault_tolerance/cross_replica.py: CrossReplicaGroup.broadcast",
+)
+def _ft_rejoin_stale(p: _Patcher) -> None:
+    from lit_titan.fault_tolerance.cross_replica import CrossReplicaGroup
+
+    p.set(CrossReplicaGroup, "broadcast", lambda self, tensors, source: None)

@@ -81,8 +81,13 @@ def _reference(steps: int) -> dict:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def worker(out: str, replica: int, replicas: int, shard: int, shards: int, port: int, mutant: str | None) -> None:
-    """One rank: FSDP over its replica's shard ranks, ``ReplicaGroups`` across replicas; output in ``out``."""
+def worker(
+    out: str, replica: int, replicas: int, shard: int, shards: int, port: int, mutant: str | None, rejoin: bool
+) -> None:
+    """One rank: FSDP over its replica's shard ranks, ``ReplicaGroups`` across replicas; output in ``out``.
+
+    ``rejoin``: the rank of a group restarted after it died, which joins the live ones at a later step.
+    """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -91,12 +96,14 @@ def worker(out: str, replica: int, replicas: int, shard: int, shards: int, port:
     from lit_titan.strategies.fsdp import FSDPConfig, apply_fsdp
     from mutants import applied
 
-    log = os.open(Path(out) / f"rank-{replica * shards + shard}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    name = f"rank-{replica * shards + shard}{'-rejoined' if rejoin else ''}.log"
+    log = os.open(Path(out) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"replica{replica}/", store), rank=shard, world_size=shards)
+    prefix = f"replica{replica}{'/rejoined' if rejoin else ''}/"
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=shard, world_size=shards)
     mesh = init_device_mesh("cpu", (shards,), mesh_dim_names=("dp_shard",))
     model = build()
     apply_fsdp(fsdp_units(model), model, mesh, "32-true", FSDPConfig())
@@ -104,7 +111,7 @@ def worker(out: str, replica: int, replicas: int, shard: int, shards: int, port:
     params = list(model.parameters())
     ft = ReplicaGroups(
         ("127.0.0.1", port), replica, replicas, shard, shards, mesh.get_group(), GLOBAL_BATCH,
-        run_dir=out, timeout_s=30.0, dead_after_s=1.0, heartbeat_s=0.1,
+        run_dir=out, timeout_s=30.0, dead_after_s=1.0, heartbeat_s=0.1, params=params, optimizer=opt, rejoin=rejoin,
     )  # fmt: skip
 
     def train(tokens: torch.Tensor, samples: list[int]) -> torch.Tensor:
@@ -119,10 +126,11 @@ def worker(out: str, replica: int, replicas: int, shard: int, shards: int, port:
 
     losses, norms = [], []
     with applied(mutant):
-        for step in range(STEPS):
+        first = ft.join() if rejoin else 0
+        for step in range(first, STEPS):
             tokens = batch(step)
             loss_sum = train(tokens, ft.begin_step(step))
-            if step == KILL_STEP and replica == KILL_REPLICA:
+            if step == KILL_STEP and replica == KILL_REPLICA and not rejoin:
                 os.kill(os.getpid(), signal.SIGKILL)
             while True:
                 try:
@@ -135,16 +143,18 @@ def worker(out: str, replica: int, replicas: int, shard: int, shards: int, port:
         full = {n: q.full_tensor().detach() for n, q in model.named_parameters()}
     if shard == 0:
         torch.save(full, Path(out) / f"params-replica{replica}.pt")
-        curve = {"losses": losses, "norms": norms, "members": ft.members}
+        curve = {"losses": losses, "norms": norms, "members": ft.members, "first_step": first}
         (Path(out) / f"curve-replica{replica}.json").write_text(json.dumps(curve))
     ft.close()
     # The process ends in multiprocessing's os._exit: no gloo teardown (see lit_titan.job.ranks.exit_rank).
 
 
-def run_job(out: Path, replicas: int, shards: int, mutant: str | None = None) -> list[int | None]:
+def run_job(out: Path, replicas: int, shards: int, mutant: str | None = None, rejoin: bool = False) -> list[int | None]:
     """Host the job's store (as a torchrun agent would) and fork its ranks; their exit codes by global rank.
 
     Forked, not spawned: torch is imported once for every rank (each fresh interpreter costs seconds).
+    ``rejoin``: once the killed group's ranks are gone, start them again (as a launcher would); their exit
+    codes follow the others'.
     """
     import multiprocessing
 
@@ -164,12 +174,20 @@ def run_job(out: Path, replicas: int, shards: int, mutant: str | None = None) ->
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = multiprocessing.get_context("fork")
     procs = [
-        ctx.Process(target=worker, args=(str(out), r, replicas, s, shards, store.port, mutant))
+        ctx.Process(target=worker, args=(str(out), r, replicas, s, shards, store.port, mutant, False))
         for r in range(replicas)
         for s in range(shards)
     ]
     for proc in procs:
         proc.start()
+    if rejoin:
+        killed = procs[KILL_REPLICA * shards : (KILL_REPLICA + 1) * shards]
+        for proc in killed:
+            proc.join(timeout=240)
+        for s in range(shards):
+            args = (str(out), KILL_REPLICA, replicas, s, shards, store.port, mutant, True)
+            procs.append(ctx.Process(target=worker, args=args))
+            procs[-1].start()
     for proc in procs:
         proc.join(timeout=240)
         if proc.exitcode is None:
@@ -178,12 +196,12 @@ def run_job(out: Path, replicas: int, shards: int, mutant: str | None = None) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``replica_loss.py OUT NAME:REPLICAS:SHARDS[:MUTANT] ...``: run each job in OUT/NAME; OUT/codes.json."""
+    """``replica_loss.py OUT NAME:REPLICAS:SHARDS:REJOIN[:MUTANT] ...``: each job in OUT/NAME; OUT/codes.json."""
     argv = sys.argv[1:] if argv is None else argv
     out, codes = Path(argv[0]), {}
     for job in argv[1:]:
-        name, replicas, shards, *mutant = job.split(":")
-        codes[name] = run_job(out / name, int(replicas), int(shards), mutant[0] if mutant else None)
+        name, replicas, shards, rejoin, *mutant = job.split(":")
+        codes[name] = run_job(out / name, int(replicas), int(shards), mutant[0] if mutant else None, rejoin == "1")
     (out / "codes.json").write_text(json.dumps(codes))
 
 
