@@ -48,8 +48,12 @@ def test_survivors_of_a_lost_replica_group_finish_equal_to_one_process(tmp_path)
     jobs = ["hsdp2x2:2:2:1", *(f"{m}:2:1:{rejoin}:{m}" for m, rejoin in MUTANTS.items())]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
     launch = subprocess.Popen([sys.executable, str(SCRIPTS / "replica_loss.py"), str(tmp_path), *jobs], env=env)
-    ref = reference(STEPS)  # one process, while the jobs run
-    assert launch.wait(timeout=480) == 0
+    try:
+        ref = reference(STEPS)  # one process, while the jobs run
+        assert launch.wait(timeout=480) == 0
+    finally:
+        if launch.poll() is None:
+            launch.kill()
     assert sum(n > CLIP for n in ref["norms"]) >= STEPS // 2, f"clipping idle: {ref['norms']}"
     codes = json.loads((tmp_path / "codes.json").read_text())
     out = tmp_path / "hsdp2x2"
