@@ -62,6 +62,14 @@ REFERENCE_TARGETS = {
 }
 
 
+# Mutants whose case must kill processes (no reused world, no shared reference): the test that runs and catches them.
+OWN_TESTS = {
+    "ft_survivors_keep_old_normaliser": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
+    "ft_dead_samples_skipped": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
+    "ft_rejoin_stale_weights": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
+}
+
+
 def _resolve(target: str):
     import importlib
 
@@ -70,7 +78,7 @@ def _resolve(target: str):
 
 
 def test_every_mutant_has_a_target():
-    assert set(TARGETS) | set(REFERENCE_TARGETS) == set(MUTANTS) and len(MUTANTS) >= 12
+    assert set(TARGETS) | set(REFERENCE_TARGETS) | set(OWN_TESTS) == set(MUTANTS) and len(MUTANTS) >= 12
 
 
 def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, worlds):

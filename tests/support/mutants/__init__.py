@@ -343,3 +343,43 @@ def _positions_off_by_one(p: _Patcher) -> None:
 
     p.set(documents, "document_positions", document_positions)
     p.set(batches, "document_positions", document_positions)
+
+
+@mutant(
+    "ft_survivors_keep_old_normaliser",
+    "after a replica group dies, the survivors still weight their gradients by the old replica count (1 / replicas)",
+    "fault_tolerance/replicas.py: ReplicaGroups._weight",
+)
+def _ft_old_normaliser(p: _Patcher) -> None:
+    from lit_titan.fault_tolerance.replicas import ReplicaGroups
+
+    p.set(ReplicaGroups, "_weight", lambda self: 1.0 / self.replicas)
+
+
+@mutant(
+    "ft_dead_samples_skipped",
+    "after a replica group dies, its samples are not handed to the survivors (torchft's behaviour)",
+    "fault_tolerance/shares.py: Assignment.without",
+)
+def _ft_dead_samples_skipped(p: _Patcher) -> None:
+    from lit_titan.fault_tolerance import shares
+
+    original = shares.Assignment.without
+
+    def without(self, dead):
+        kept, gained = original(self, dead)
+        chunks = {r: c[:-1] + [[]] for r, c in kept.chunks.items()}
+        return shares.Assignment(self.global_batch, self.shards, chunks), {r: [] for r in gained}
+
+    p.set(shares.Assignment, "without", without)
+
+
+@mutant(
+    "ft_rejoin_stale_weights",
+    "a replica group that rejoins keeps the weights and optimizer state it restarted with (no transfer from a peer)",
+    "fault_tolerance/cross_replica.py: CrossReplicaGroup.broadcast",
+)
+def _ft_rejoin_stale(p: _Patcher) -> None:
+    from lit_titan.fault_tolerance.cross_replica import CrossReplicaGroup
+
+    p.set(CrossReplicaGroup, "broadcast", lambda self, tensors, source: None)
