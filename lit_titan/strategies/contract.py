@@ -7,7 +7,7 @@ own weights, every rank is a data-parallel rank, no pipeline, no mesh. Callers u
 ``contract(trainer.strategy)``.
 
 ``ModuleContract``: what ``TitanStrategy`` and the callbacks may ask of the LightningModule.
-``PretrainModule`` implements it; any other LightningModule is answered by ``PlainModule`` (no model
+``PretrainModule`` inherits it; any other LightningModule is answered by ``PlainModule`` (no model
 arguments, no step statistics). Callers use ``module_contract(pl_module)``. ``SequenceData``: a data
 module that states its sequence length, which the layout is checked against.
 
