@@ -30,7 +30,7 @@ from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_nor
 
 
 class PretrainModule(L.LightningModule, ModuleContract):
-    # Set by the Timeline callback while training; gradient clipping reports its time to it.
+    # Set by the Timeline callback while training (ModuleContract); gradient clipping reports its time to it.
     phase_clock: PhaseClock | None = None
 
     def __init__(
@@ -201,7 +201,7 @@ class PretrainModule(L.LightningModule, ModuleContract):
         data-parallel group (``sync_dist``) and the host-to-device copies of Python numbers that
         ``self.log`` makes. Other steps issue no collective and read nothing back to the host.
         """
-        with phase(self, "grad_clip"):
+        with phase(self.phase_clock, "grad_clip"):
             self._last_grad_norm = total_grad_norm(list(self.parameters()), pp_group=self.strategy_contract.pp_group)
         if is_logging_step(self.trainer, self.global_step + 1):
             step_loss = self._step_loss / max(self._micro_batches, 1)
@@ -230,7 +230,7 @@ class PretrainModule(L.LightningModule, ModuleContract):
         if gradient_clip_algorithm not in (None, "norm"):
             raise ValueError("PretrainModule clips by norm only; set trainer.gradient_clip_algorithm=norm")
         params = [p for p in self.parameters() if p.grad is not None]
-        with phase(self, "grad_clip"):
+        with phase(self.phase_clock, "grad_clip"):
             clip_grads_with_norm_(params, gradient_clip_val, self._last_grad_norm)
 
     # ---- what the strategy and callbacks read (strategies/contract.py, ModuleContract) -----------

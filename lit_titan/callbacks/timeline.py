@@ -36,6 +36,7 @@ from lit_titan.callbacks.settings import TimelineConfig
 from lit_titan.observe.phases import PHASES, PhaseClock, StepTimes
 from lit_titan.settings import settings_of
 from lit_titan.strategies.contract import contract
+from lit_titan.strategies.contract import contract, module_contract
 
 __all__ = ["TIMELINE_COLUMNS", "Timeline"]
 
@@ -64,7 +65,7 @@ class Timeline(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = trainer.strategy.root_device
         self.clock = PhaseClock(device)
-        pl_module.phase_clock = self.clock
+        module_contract(pl_module).phase_clock = self.clock  # read by PretrainModule and the strategy
         self._pipeline = contract(trainer.strategy).backward_in_training_step
         self.path = (
             Path(self.run_dir or trainer.default_root_dir).expanduser() / "timeline" / f"rank-{trainer.global_rank}.csv"
@@ -146,8 +147,7 @@ class Timeline(L.Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._finish()
-        if getattr(pl_module, "phase_clock", None) is not None:
-            pl_module.phase_clock = None
+        module_contract(pl_module).phase_clock = None
 
     # ---- helpers --------------------------------------------------------------------------------
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_titan.data.datamodule import PretrainDataModule
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 
 
@@ -63,7 +64,7 @@ class DataProgress(L.Callback):
             return  # inside an accumulation window: the step's last micro-batch logs
         self._prev_global_step = trainer.global_step
         dm = trainer.datamodule
-        batches = getattr(dm, "train_batches", None)
+        batches = dm.train_batches if isinstance(dm, PretrainDataModule) else None
         if batches is None or not is_logging_step(trainer, trainer.global_step):
             return
         consumed = batches.blend.consumed_at(trainer.global_step)

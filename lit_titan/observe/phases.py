@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,13 +138,10 @@ class PhaseClock:
             self.end(name)
 
 
-def phase(owner: Any, name: str) -> AbstractContextManager[None]:
-    """``owner.phase_clock.span(name)`` when a clock is attached, else just the profiler range.
+def phase(clock: PhaseClock | None, name: str) -> AbstractContextManager[None]:
+    """``clock.span(name)`` when a clock is attached, else just the profiler range.
 
-    ``owner`` is the LightningModule (the :class:`~lit_titan.callbacks.Timeline` attaches the clock
-    there); code that does not know whether a timeline runs calls this.
+    ``clock`` is the module's ``phase_clock`` (the :class:`~lit_titan.callbacks.Timeline` attaches it
+    while training); code that does not know whether a timeline runs calls this.
     """
-    clock = getattr(owner, "phase_clock", None)
-    if isinstance(clock, PhaseClock):
-        return clock.span(name)
-    return torch.profiler.record_function(f"lit_titan/{name}") if owner is not None else nullcontext()
+    return clock.span(name) if clock is not None else torch.profiler.record_function(f"lit_titan/{name}")

@@ -7,7 +7,7 @@ own weights, every rank is a data-parallel rank, no pipeline, no mesh. Callers u
 ``contract(trainer.strategy)``.
 
 ``ModuleContract``: what ``TitanStrategy`` and the callbacks may ask of the LightningModule.
-``PretrainModule`` implements it; any other LightningModule is answered by ``PlainModule`` (no model
+``PretrainModule`` inherits it; any other LightningModule is answered by ``PlainModule`` (no model
 arguments, no step statistics). Callers use ``module_contract(pl_module)``. ``SequenceData``: a data
 module that states its sequence length, which the layout is checked against.
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from lit_titan.checkpoint import CheckpointWriter
     from lit_titan.models.registry import ModelArgsLike
+    from lit_titan.observe.phases import PhaseClock
     from lit_titan.strategies.parallel_dims import ParallelDims
 
 
@@ -144,6 +145,8 @@ class ModuleContract:
     model_args: ModelArgsLike | None
     # Seed of the layout-independent init the strategy materialises the weights with.
     seed: int
+    # The step-phase clock the Timeline callback attaches while training (None: no timeline runs).
+    phase_clock: PhaseClock | None
 
     @property
     def tokens_per_step(self) -> int:
@@ -175,6 +178,7 @@ class PlainModule:
     model = None  # TitanStrategy refuses it: nothing says which submodule is the network
     model_args = None
     seed = 0
+    phase_clock = None  # a Timeline's clock set here is read by nothing: only PretrainModule times phases
     tokens_per_step = 0
     step_mean_loss = None
     last_grad_norm = None

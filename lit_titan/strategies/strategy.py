@@ -515,7 +515,8 @@ class TitanStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        with phase(self.lightning_module, "checkpoint"):  # the part that blocks training (staging)
+        clock = module_contract(self.lightning_module).phase_clock
+        with phase(clock, "checkpoint"):  # the part that blocks training (staging)
             self.checkpoint_writer.save(
                 state, checkpoint, path, rank=self.global_rank, world_size=self.world_size, barrier=self.barrier
             )
