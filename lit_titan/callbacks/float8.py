@@ -76,25 +76,20 @@ class Float8(L.Callback):
 
     def __init__(self, settings: Float8Config | None = None, **keys: Any) -> None:
         s = self.settings = settings_of(Float8Config, settings, keys)
-        recipe, enable_fsdp_float8_all_gather, min_dim, float8_tp = (
-            s.recipe,
-            s.enable_fsdp_float8_all_gather,
-            s.min_dim,
-            s.float8_tp,
-        )
+        recipe = s.recipe
         if recipe not in RECIPES:
             raise ValueError(f"unknown Float8 recipe {recipe!r}; choose one of {list(RECIPES)}")
-        if float8_tp and recipe != "tensorwise":
+        if s.float8_tp and recipe != "tensorwise":
             raise ValueError(
                 f"Float8(float8_tp=True) needs recipe='tensorwise' (torchao's float8 TP styles cast with one "
                 f"scale per tensor), got recipe={recipe!r}; with float8_tp=False the {recipe} Float8Linear layers "
                 f"run under the plan's ordinary TP styles (high-precision collectives)."
             )
-        if min_dim < 1:
-            raise ValueError(f"min_dim must be >= 1, got {min_dim}")
+        if s.min_dim < 1:
+            raise ValueError(f"min_dim must be >= 1, got {s.min_dim}")
         self.recipe = recipe
-        self.enable_fsdp_float8_all_gather = enable_fsdp_float8_all_gather and recipe == "tensorwise"
-        if enable_fsdp_float8_all_gather and recipe != "tensorwise":
+        self.enable_fsdp_float8_all_gather = s.enable_fsdp_float8_all_gather and recipe == "tensorwise"
+        if s.enable_fsdp_float8_all_gather and recipe != "tensorwise":
             rank_zero_info(
                 f"Float8: FP8 all-gather needs the tensorwise recipe; recipe={recipe!r} gathers in the FSDP param dtype"
             )
@@ -102,9 +97,9 @@ class Float8(L.Callback):
         self.precompute_scales = s.precompute_scales and self.enable_fsdp_float8_all_gather
         self.emulate = s.emulate
         self.filter_fqns = list(s.filter_fqns)
-        self.min_dim = min_dim
+        self.min_dim = s.min_dim
         self.auto_filter_small_kn = s.auto_filter_small_kn
-        self.float8_tp = float8_tp
+        self.float8_tp = s.float8_tp
         self.converted: list[str] = []  # fully-qualified names of the Float8Linear layers
         self._last_step: int | None = None
         self._registered_on: Any = None
