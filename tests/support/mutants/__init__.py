@@ -343,3 +343,17 @@ def _positions_off_by_one(p: _Patcher) -> None:
 
     p.set(documents, "document_positions", document_positions)
     p.set(batches, "document_positions", document_positions)
+
+
+@mutant(
+    "muon_orthogonalises_each_shard",
+    "Muon orthogonalises each rank's FSDP/TP shard of a matrix on its own, not the whole matrix",
+    "optim/muon.py: orthogonalised_update",
+)
+def _muon_shardwise(p: _Patcher) -> None:
+    from lit_titan.optim import muon
+
+    def shardwise(momentum, like, steps):
+        return muon.newton_schulz(momentum, steps) * muon.update_scale(like.shape)
+
+    p.set(muon, "orthogonalised_update", shardwise)
