@@ -196,8 +196,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# AdamW and Muon over 100 steps; LAMB (the same rounding code path as AdamW's moments) over 40
-@pytest.mark.parametrize(("name", "steps"), [("adamw", 100), ("muon", 100), ("lamb", 40)])
+# AdamW over 100 steps; Muon and LAMB (the same rounding of their states) over 30, for the suite's time
+@pytest.mark.parametrize(("name", "steps"), [("adamw", 100), ("muon", 30), ("lamb", 30)])
 def test_bf16_states_halve_the_memory_and_train_like_fp32(name, steps, one_thread):
     fp32, fp32_bytes, _ = _train(name, "fp32", steps)
     bf16, bf16_bytes, opt = _train(name, "bf16", steps)
