@@ -210,9 +210,9 @@ def _train(name, state_dtype, steps):
 BF16_LOSS_BOUND = 1e-3
 
 
-# AdamW over 100 steps; Muon and LAMB (the same rounding of their states) over 30, for the suite's time
-@pytest.mark.parametrize(("name", "steps"), [("adamw", 100), ("muon", 30), ("lamb", 30)])
-def test_bf16_states_halve_the_memory_and_train_like_fp32(name, steps, one_thread):
+@pytest.mark.parametrize("name", ["adamw", "muon", "lamb"])
+def test_bf16_states_halve_the_memory_and_train_like_fp32(name, one_thread):
+    steps = 100
     fp32, fp32_bytes, _ = _train(name, "fp32", steps)
     bf16, bf16_bytes, opt = _train(name, "bf16", steps)
     assert isinstance(opt, {"adamw": AdamW, "lamb": Lamb, "muon": Muon}[name])
