@@ -26,8 +26,8 @@ from lit_titan.optim.lamb import _like_param, _local, check_betas
 from lit_titan.optim.low_precision import StateRounding
 
 
-def init_adam_state(state: dict[str, Any], p: Tensor, dtype: torch.dtype) -> None:
-    """The moments (shaped and sharded like ``p``, in ``dtype``) and the step count, on first use."""
+def init_adam_state(state: dict[str, Any], p: Tensor, dtype: torch.dtype | None) -> None:
+    """The moments (shaped and sharded like ``p``, in ``dtype``; None: ``p``'s) and the step count, on first use."""
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)

@@ -112,7 +112,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         from lit_titan.optim.lamb import Lamb
 
         return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, state_dtype=dtype)
-    if dtype != torch.float32:  # torch's AdamW keeps its moments in the parameters' dtype
+    if dtype is not None:  # torch's AdamW keeps its moments in the parameters' dtype
         from lit_titan.optim.adamw import AdamW
 
         return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, state_dtype=dtype)

@@ -91,7 +91,7 @@ class Lamb(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         weight_decay: float = 0.0,
-        state_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         from lit_titan.optim.low_precision import StateRounding
 
@@ -99,7 +99,7 @@ class Lamb(torch.optim.Optimizer):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"LAMB needs lr, eps, weight_decay >= 0 (got {lr}, {eps}, {weight_decay})")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-        self.state_dtype = state_dtype  # of the moments; bf16 is written back by stochastic rounding
+        self.state_dtype = state_dtype  # of the moments (None: the parameter's); bf16: stochastic rounding
         self._rounding = StateRounding()
 
     @torch.no_grad()

@@ -18,12 +18,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fp32: the states in the parameters' own dtype, as torch's optimizers keep them (fp32 unless
+# precision=bf16-true); bf16: always bf16
+DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 _SEED = 0x5EED
 
 
-def state_dtype(name: str) -> torch.dtype:
-    """``optim.state_dtype`` as a torch dtype, or ValueError naming the setting."""
+def state_dtype(name: str) -> torch.dtype | None:
+    """``optim.state_dtype`` as a torch dtype (None: the parameter's), or ValueError naming the setting."""
     if name not in DTYPES:
         raise ValueError(f"optim.state_dtype={name!r}: not an option; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]

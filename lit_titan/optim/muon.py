@@ -117,7 +117,8 @@ def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, A
 class Muon(torch.optim.Optimizer):
     """Muon on the groups with ``use_muon=True``, AdamW (same lr schedule) on the others.
 
-    ``state_dtype``: the dtype of Muon's momentum and AdamW's moments (bf16: stochastic rounding).
+    ``state_dtype``: the dtype of Muon's momentum and AdamW's moments (None: the parameter's; bf16:
+    stochastic rounding).
     """
 
     def __init__(
@@ -130,7 +131,7 @@ class Muon(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        state_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         betas = check_betas(betas)
         if not 0 <= momentum < 1 or ns_steps < 1:

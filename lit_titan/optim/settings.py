@@ -13,7 +13,8 @@ from lit_titan.settings import setting
 # adamw (torch.optim.AdamW) | lamb (lit_titan.optim.lamb.Lamb: trust ratio from whole-parameter norms) |
 # muon (lit_titan.optim.muon.Muon: orthogonalised momentum on hidden matrices, AdamW on the rest)
 OPTIMIZERS = ("adamw", "lamb", "muon")
-# fp32 | bf16 (optimizer states stored in bf16, written back by stochastic rounding: optim/low_precision.py)
+# fp32 (the states in the parameters' dtype: fp32 unless precision=bf16-true) | bf16 (stored in bf16, written
+# back by stochastic rounding: optim/low_precision.py)
 STATE_DTYPES = ("fp32", "bf16")
 # "cosine": warmup, then cosine to min_lr; "wsd": warmup, stable, then linear decay over the last
 # `decay_ratio` of training (warmup-stable-decay); "constant": warmup, then the peak lr.

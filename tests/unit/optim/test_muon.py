@@ -222,3 +222,11 @@ def test_bf16_states_halve_the_memory_and_train_like_fp32(name, one_thread):
     assert bf16 != fp32  # the rounding acts
     end32, end16 = sum(fp32[-10:]) / 10, sum(bf16[-10:]) / 10
     assert abs(end16 - end32) / end32 < BF16_LOSS_BOUND, (end32, end16)
+
+
+def test_the_planner_counts_bf16_states_at_half():
+    from lit_titan.planner import make_plan_from_cfg
+
+    fp32 = make_plan_from_cfg(compose(list(TINY)))["per_rank"]
+    bf16 = make_plan_from_cfg(compose([*TINY, "optim.state_dtype=bf16"]))["per_rank"]
+    assert fp32["optimizer_bytes"] == 2 * fp32["param_bytes"] == 2 * bf16["optimizer_bytes"]
