@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule construction (AdamW or LAMB + warmup then cosine or WSD)."""
+"""Optimizer and learning-rate schedule construction (AdamW, LAMB or Muon + warmup then cosine or WSD)."""
 
 from __future__ import annotations
 
@@ -85,17 +85,37 @@ def check_optim(name: str, betas: Iterable[float]) -> None:
     from lit_titan.optim.lamb import check_betas
 
     if name not in OPTIMIZERS:
-        raise ValueError(f"optim.name={name!r} is not an optimizer here; use optim=adamw or optim=lamb")
+        raise ValueError(f"optim.name={name!r} is not an optimizer here; use optim=adamw, optim=lamb or optim=muon")
     check_betas(betas)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    from lit_titan.optim.low_precision import state_dtype
+
     check_optim(cfg.name, cfg.betas)
+    dtype = state_dtype(cfg.state_dtype)
+    if cfg.name == "muon":
+        from lit_titan.optim.muon import Muon, muon_param_groups
+
+        return Muon(
+            muon_param_groups(model, cfg.weight_decay),
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            ns_steps=cfg.ns_steps,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            state_dtype=dtype,
+        )
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "lamb":
         from lit_titan.optim.lamb import Lamb
 
-        return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        return Lamb(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, state_dtype=dtype)
+    if dtype is not None:  # torch's AdamW keeps its moments in the parameters' dtype
+        from lit_titan.optim.adamw import AdamW
+
+        return AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, state_dtype=dtype)
     impl = adamw_implementation((p for g in groups for p in g["params"]), fused=cfg.fused, foreach=cfg.foreach)
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=impl == "foreach", fused=impl == "fused"

@@ -91,11 +91,16 @@ class Lamb(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         weight_decay: float = 0.0,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
+        from lit_titan.optim.low_precision import StateRounding
+
         betas = check_betas(betas)
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"LAMB needs lr, eps, weight_decay >= 0 (got {lr}, {eps}, {weight_decay})")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.state_dtype = state_dtype  # of the moments (None: the parameter's); bf16: stochastic rounding
+        self._rounding = StateRounding()
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
@@ -111,8 +116,8 @@ class Lamb(torch.optim.Optimizer):
                 if not self.state[p]:
                     self.state[p].update(
                         step=torch.zeros((), dtype=torch.float32),
-                        exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                        exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+                        exp_avg=torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format),
+                        exp_avg_sq=torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format),
                     )
             self._update(group, params)
         return loss
@@ -123,14 +128,20 @@ class Lamb(torch.optim.Optimizer):
         states = [self.state[p] for p in params]
         w = [_local(p) for p in params]
         g = [_local(_like_param(p.grad, p)) for p in params]
-        m = [_local(s["exp_avg"]) for s in states]
-        v = [_local(s["exp_avg_sq"]) for s in states]
+        m_store = [_local(s["exp_avg"]) for s in states]
+        v_store = [_local(s["exp_avg_sq"]) for s in states]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
         t = float(steps[0])  # every parameter of a group steps together
+        low = m_store[0].dtype != g[0].dtype  # bf16 moments: the arithmetic on fp32 copies, stored rounded
+        m, v = ([x.to(g[0].dtype) for x in xs] for xs in (m_store, v_store)) if low else (m_store, v_store)
         torch._foreach_lerp_(m, g, 1 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, g, g, value=1 - b2)
+        if low:
+            self._rounding.start_step(int(t))
+            for stored, value in zip([*m_store, *v_store], [*m, *v]):
+                self._rounding.store_(stored, value)
         bc1, bc2 = 1 - b1**t, 1 - b2**t
         denom = torch._foreach_sqrt(v)
         torch._foreach_div_(denom, bc2**0.5)

@@ -10,8 +10,12 @@ from dataclasses import dataclass
 
 from lit_titan.settings import setting
 
-# adamw (torch.optim.AdamW) | lamb (lit_titan.optim.lamb.Lamb: trust ratio from whole-parameter norms)
-OPTIMIZERS = ("adamw", "lamb")
+# adamw (torch.optim.AdamW) | lamb (lit_titan.optim.lamb.Lamb: trust ratio from whole-parameter norms) |
+# muon (lit_titan.optim.muon.Muon: orthogonalised momentum on hidden matrices, AdamW on the rest)
+OPTIMIZERS = ("adamw", "lamb", "muon")
+# fp32 (the states in the parameters' dtype: fp32 unless precision=bf16-true) | bf16 (stored in bf16, written
+# back by stochastic rounding: optim/low_precision.py)
+STATE_DTYPES = ("fp32", "bf16")
 # "cosine": warmup, then cosine to min_lr; "wsd": warmup, stable, then linear decay over the last
 # `decay_ratio` of training (warmup-stable-decay); "constant": warmup, then the peak lr.
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -40,3 +44,9 @@ class OptimConfig:
     # None: fused AdamW when every parameter is on CUDA, else torch's default (build.adamw_implementation)
     fused: bool | None = setting(None)
     foreach: bool | None = setting(None)
+    # dtype the optimizer keeps its moments / momentum in (every optimizer)
+    state_dtype: str = setting("fp32", choices=STATE_DTYPES)
+    # Muon (optim=muon): momentum coefficient, Nesterov momentum, Newton-Schulz iterations
+    momentum: float = setting(0.95, ge=0, lt=1)
+    nesterov: bool = setting(True)
+    ns_steps: int = setting(5, ge=1)

@@ -152,6 +152,7 @@ def make_plan_from_cfg(
         grad_reduce_scatter=grad_reduce_scatter,
         loss_chunk_tokens=loss_chunk,
         document_masking=bool((cfg.get("data") or {}).get("document_masking", False)),
+        optimizer_state_elem_bytes=2 if (cfg.get("optim") or {}).get("state_dtype") == "bf16" else None,
     )
     param_bytes, grad_bytes, optimizer_bytes = mem["param_bytes"], mem["grad_bytes"], mem["optimizer_bytes"]
     buffers, act0 = mem["fsdp_buffer_bytes"], mem["activation_detail"]

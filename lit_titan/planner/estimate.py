@@ -384,8 +384,12 @@ def rank_memory(
     grad_reduce_scatter: str,
     loss_chunk_tokens: int = 0,
     document_masking: bool = False,
+    optimizer_state_elem_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Per-rank memory of a layout: rank 0's breakdown, every pipeline rank's total, and the maximum.
+
+    ``optimizer_state_elem_bytes``: bytes per element of the two moments (2 with ``optim.state_dtype=bf16``);
+    None: the parameters' own. Muon keeps one state, not two, for its matrices: counted as two (an upper bound).
 
     One function for both the one-layout plan (``layout`` measured on the meta model) and the search
     (``layout`` from :func:`lit_titan.planner.analytic.analytic_layout`), so the two cannot disagree.
@@ -395,7 +399,8 @@ def rank_memory(
     grad_bytes = gradient_bytes(
         layout, dims, precision, param_bytes, accumulation=accumulation, grad_reduce_scatter=grad_reduce_scatter
     )
-    optimizer_bytes = 2 * param_bytes  # AdamW: exp_avg and exp_avg_sq, same dtype as the parameter
+    # AdamW: exp_avg and exp_avg_sq, same dtype as the parameter unless the states have their own
+    optimizer_bytes = 2 * layout.local_numel * (optimizer_state_elem_bytes or state_elem)
     buffers = fsdp_buffer_bytes(layout, dims, precision, reshard_after_forward)
 
     def acts(layers: int, has_output: bool) -> dict[str, Any]:

@@ -62,11 +62,13 @@ REFERENCE_TARGETS = {
 }
 
 
-# Mutants whose case must kill processes (no reused world, no shared reference): the test that runs and catches them.
+# Mutants caught, by the same 10x margin, by a test of their own: its case kills processes (no reused world), or
+# needs another one-process reference (another optimizer). The test named runs the mutant and asserts the margin.
 OWN_TESTS = {
     "ft_survivors_keep_old_normaliser": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
     "ft_dead_samples_skipped": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
     "ft_rejoin_stale_weights": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
+    "muon_orthogonalises_each_shard": "test_muon_parity.py::test_muon_mutant_orthogonalising_each_shard_is_caught",
 }
 
 

@@ -383,3 +383,17 @@ def _ft_rejoin_stale(p: _Patcher) -> None:
     from lit_titan.fault_tolerance.cross_replica import CrossReplicaGroup
 
     p.set(CrossReplicaGroup, "broadcast", lambda self, tensors, source: None)
+
+
+@mutant(
+    "muon_orthogonalises_each_shard",
+    "Muon orthogonalises each rank's FSDP/TP shard of a matrix on its own, not the whole matrix",
+    "optim/muon.py: orthogonalised_update",
+)
+def _muon_shardwise(p: _Patcher) -> None:
+    from lit_titan.optim import muon
+
+    def shardwise(momentum, like, steps):
+        return muon.newton_schulz(momentum, steps) * muon.update_scale(like.shape)
+
+    p.set(muon, "orthogonalised_update", shardwise)

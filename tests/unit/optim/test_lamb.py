@@ -91,7 +91,7 @@ def test_bad_betas_one_line(betas):
 
 
 def test_unknown_optimizer_one_line():
-    with pytest.raises(ConfigError, match=r"optim.name=sgd: not an option; choose one of adamw, lamb"):
+    with pytest.raises(ConfigError, match=r"optim.name=sgd: not an option; choose one of adamw, lamb, muon"):
         validate(compose([*TINY, "optim.name=sgd"]))
 
 
