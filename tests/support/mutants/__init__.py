@@ -343,3 +343,6 @@ def _positions_off_by_one(p: _Patcher) -> None:
 
     p.set(documents, "document_positions", document_positions)
     p.set(batches, "document_positions", document_positions)
+
+
+from mutants import context_parallel as _context_parallel  # noqa: E402,F401  (registers the CP-mode mutants)
