@@ -3,9 +3,9 @@ one process under CP alone, with TP, FSDP + accumulation, activation checkpointi
 document masking.
 
 The parity regime is tests/support/parity.py's (lr 1e-2, clipping engaged, pre-clip gradients, clip norm, weights
-and losses at the harness's tolerances). Three references, each shared by its cases: the session's (TINY: 4 heads,
-2 KV heads), the same model with 4 KV heads (Ulysses needs n_kv_heads divisible by tp x cp = 4), and packed short
-documents with document masking, document positions and a sliding window on one of the two layers.
+and losses at the harness's tolerances). Two references, each shared by its cases: the session's (TINY: 4 heads,
+2 KV heads), and packed short documents with document masking, document positions, a sliding window on one of the
+two layers and 4 KV heads (Ulysses at tp x cp = 4).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ SHARED_CASES = {
         RING,
         "callbacks=[activation_checkpointing]",
     ],
-    "dp2xcp2_accum2_ring": ["cluster.devices=4", "parallel.cp=2", "data.micro_batch_size=2", RING],
 }
 
 
@@ -64,35 +63,14 @@ def test_cp_mode_matches_single_process(case, parity_reference, tmp_path, worlds
     check_case(case, parity_reference, got)
 
 
-# ---- Ulysses at tp x cp = 4: four KV heads -------------------------------------------------------------
-MHA = ["model.n_kv_heads=4"]
-ULYSSES = "parallel.cp_mode=ulysses"
-MHA_CASES = {
-    "cp4_ulysses": ["cluster.devices=4", "parallel.cp=4", ULYSSES],
-    "cp2xtp2_ulysses": ["cluster.devices=4", "parallel.cp=2", "parallel.tp=2", ULYSSES],
-}
-
-
-@pytest.fixture(scope="module")
-def mha_reference(worlds, tmp_path_factory) -> Path:
-    from parity import run_layout
-
-    return run_layout(worlds, [*MHA, "cluster.devices=1"], tmp_path_factory.mktemp("cp-modes-mha"))
-
-
-@pytest.mark.parametrize("case", MHA_CASES)
-def test_ulysses_at_tp_x_cp_4_matches_single_process(case, mha_reference, tmp_path, worlds):
-    from parity import run_layout
-
-    check_case(case, mha_reference, run_layout(worlds, [*MHA, *MHA_CASES[case]], tmp_path))
-
-
 # ---- document masking + document positions + a sliding window --------------------------------------------
 # Packed short documents (several per 64-token sample, boundaries inside and across chunks); layer 0 has a
 # window of 12 (at cp4 the chunks are 8 tokens: ring steps with no key in any query's window are skipped),
-# layer 1 is global.
+# layer 1 is global. Four KV heads: Ulysses needs n_kv_heads divisible by tp x cp = 4.
+ULYSSES = "parallel.cp_mode=ulysses"
 DOCS = [
     *PARITY,
+    "model.n_kv_heads=4",
     "data.seq_len=64",
     "data=text",
     "data.val_fraction=0",
@@ -104,7 +82,8 @@ DOCS = [
 ]
 DOC_CASES = {
     "docs_cp2_allgather": ["cluster.devices=2", "parallel.cp=2"],
-    "docs_cp2_ulysses": ["cluster.devices=2", "parallel.cp=2", ULYSSES],
+    "docs_cp4_ulysses": ["cluster.devices=4", "parallel.cp=4", ULYSSES],
+    "docs_cp2xtp2_ulysses": ["cluster.devices=4", "parallel.cp=2", "parallel.tp=2", ULYSSES],
     "docs_cp4_ring": ["cluster.devices=4", "parallel.cp=4", RING],
     "docs_dp2xcp2_accum2_ring": ["cluster.devices=4", "parallel.cp=2", "data.micro_batch_size=2", RING],
 }
