@@ -21,14 +21,6 @@ from parity import PARITY, TOL, check_case, measure, run_case, run_dump
 pytestmark = [pytest.mark.slow, pytest.mark.parity]
 
 
-def test_every_mode_equals_plain_attention_of_the_whole_sequence(worlds):
-    """Forward and Q/K/V gradients of each mode against one rank's attention, fp64, cp2 and cp4, with and without
-    a sliding window (5: ring steps skipped at cp4; 20: across chunks) and documents (a boundary on a chunk edge)."""
-    for cp in (2, 4):
-        errors = worlds.run(cp, "scripts.cp_attention_check:main", []).value
-        assert len(errors) == 18 and max(errors.values()) < 1e-12, errors
-
-
 def test_ulysses_head_divisibility_refused_in_one_line():
     with pytest.raises(ConfigError) as info:  # TINY: 4 heads, 2 KV heads; tp x cp = 4
         validate(compose([*PARITY, "cluster.devices=4", "parallel.cp=2", "parallel.tp=2", "parallel.cp_mode=ulysses"]))
@@ -86,6 +78,8 @@ DOC_CASES = {
     "docs_cp2xtp2_ulysses": ["cluster.devices=4", "parallel.cp=2", "parallel.tp=2", ULYSSES],
     "docs_cp4_ring": ["cluster.devices=4", "parallel.cp=4", RING],
     "docs_dp2xcp2_accum2_ring": ["cluster.devices=4", "parallel.cp=2", "data.micro_batch_size=2", RING],
+    # every pipeline stage receives the micro-batch's sharded positions and document ids
+    "docs_pp2xcp2_ring": ["cluster.devices=4", "parallel.pp=2", "parallel.cp=2", "parallel.pp_microbatches=2", RING],
 }
 DOC_MUTANT = ("cp_document_boundary_across_chunk", "docs_cp4_ring")  # its target (tests/parity/test_mutants.py)
 
@@ -124,3 +118,11 @@ def test_document_masked_modes_match_single_process(case, docs_reference, short_
         ratio, what = measure(case, docs_reference, bad).margin(TOL)
         print(f"{DOC_MUTANT[0]}: {ratio:.3g}x ({what})")
         assert ratio >= 10, (ratio, what)
+
+
+def test_every_mode_equals_plain_attention_of_the_whole_sequence(worlds):
+    """Forward and Q/K/V gradients of each mode against one rank's attention, fp64, cp2 and cp4, with and without
+    a sliding window (5: ring steps skipped at cp4; 20: across chunks) and documents (a boundary on a chunk edge)."""
+    for cp in (2, 4):
+        errors = worlds.run(cp, "scripts.cp_attention_check:main", []).value
+        assert len(errors) == 18 and max(errors.values()) < 1e-12, errors
