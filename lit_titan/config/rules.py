@@ -171,17 +171,15 @@ def degrees_fit_model(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> N
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=int(cfg.data.seq_len))
 
 
-def document_masking(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
-    if cfg.data.get("document_masking") and dims.cp > 1:
+def cp_mode_fits_model(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """Ulysses shards the heads over tp x cp: both head counts must divide (every mode takes document masks)."""
+    mode = cfg.parallel.get("cp_mode", "allgather")
+    unit = dims.tp * dims.cp
+    if dims.cp > 1 and mode == "ulysses" and (args.n_heads % unit or args.kv_heads % unit):
         raise ConfigError(
-            "data.document_masking=true: not supported with parallel.cp > 1 (CP's all-gather-KV "
-            "attention receives no document ids and would need the block mask split per chunk); "
-            "set data.document_masking=false or parallel.cp=1"
-        )
-    if cfg.data.get("document_positions") and dims.cp > 1:
-        raise ConfigError(
-            "data.document_positions=true: not supported with parallel.cp > 1 yet (CP shards the "
-            "sequence and makes its own positions); set data.document_positions=false"
+            f"parallel.cp_mode=ulysses: n_heads={args.n_heads} and n_kv_heads={args.kv_heads} must both be "
+            f"divisible by parallel.tp x parallel.cp = {unit}; use parallel.cp_mode=ring or allgather, or "
+            f"change parallel.cp/parallel.tp"
         )
 
 
@@ -244,7 +242,7 @@ LAYOUT_RULES = (
     tied_embeddings_without_pipeline,
     grad_reduce_scatter,
     degrees_fit_model,
-    document_masking,
+    cp_mode_fits_model,
     attention_backend,
     pipeline_validation,
 )

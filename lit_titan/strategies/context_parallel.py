@@ -3,14 +3,22 @@
 Load balance: a sequence of S tokens is cut into 2*cp chunks; cp rank r holds chunks r and
 2*cp-1-r, so under the causal mask every rank does the same attention work.
 
-Attention across slices, by all-gathering K and V ("allgather", what Llama 3 used at 405B
-scale): each rank attends its local queries to the keys of the whole sequence, masked by the
-tokens' original positions. Why not torch's experimental ``context_parallel`` (ring attention):
-it only covers CUDA SDPA kernels (on CPU: "_scaled_dot_product_flash_attention_for_cpu does not
-have a sharding strategy registered") and patches SDPA globally through private APIs, while this
-works on any backend with public collectives, so CPU tests prove the same code that runs on GPUs.
-A ring variant overlaps communication better on GPUs; it is not implemented yet (no GPU was
-available to measure it against this one).
+Attention across slices, three ways (``parallel.cp_mode``):
+- ``allgather`` (here; what Llama 3 used at 405B scale): each rank all-gathers K and V and attends
+  its local queries to the keys of the whole sequence. Per-rank K/V memory grows with the full sequence.
+- ``ulysses`` (``cp_ulysses.py``): an all-to-all turns sequence-sharded Q/K/V into head-sharded
+  full sequences, plain attention, and back: K/V per rank is 1/cp of all-gather's.
+- ``ring`` (``cp_ring.py``): K/V blocks travel around the cp ranks, partial results merged by their
+  log-sum-exp; each rank holds its own K/V block and the one in flight.
+Why not torch's experimental ``context_parallel``: it only covers CUDA SDPA kernels (on CPU:
+"_scaled_dot_product_flash_attention_for_cpu does not have a sharding strategy registered") and
+patches SDPA globally through private APIs; these use public collectives on any backend, so CPU
+tests prove the same code that runs on GPUs.
+
+Document masking: the strategy shards the per-token document ids like the tokens; this module's
+forward pre-hook wraps them as ``ShardedDocuments``, which the model's ``attention_mask`` passes
+through unchanged, so each mode builds the block-causal mask per pair of query/key chunks from the
+ids of both (all-gathered once per forward: an int per token).
 
 Nothing here touches the model's code: the strategy swaps the model's core attention modules
 (named by the family's ParallelPlan) and injects ``positions`` with a forward pre-hook.
@@ -24,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lit_titan.strategies.settings import CP_MODES
 
 
 @lru_cache(maxsize=64)
@@ -40,6 +50,55 @@ def balanced_positions(seq_len: int, cp: int, rank: int, device: torch.device | 
     if seq_len % (2 * cp):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp={2 * cp}; change data.seq_len")
     return _balanced_positions_cpu(seq_len, cp, rank).to(device)
+
+
+def chunk_blocks(cp: int, rank: int) -> tuple[int, int]:
+    """The two sequence chunks (of 2*cp) cp rank ``rank`` holds, in the order it holds them."""
+    return rank, 2 * cp - 1 - rank
+
+
+def visible(q_start: int, k_start: int, q_len: int, k_len: int, window: int | None, device: torch.device) -> Tensor:
+    """bool [q_len, k_len]: key j (sequence index k_start + j) is causal to query i (q_start + i) and
+    within the sliding ``window`` (None: no window)."""
+    qi = torch.arange(q_start, q_start + q_len, device=device)[:, None]
+    kj = torch.arange(k_start, k_start + k_len, device=device)[None, :]
+    seen = kj <= qi
+    return seen if window is None else seen & (qi - kj < window)
+
+
+class ShardedDocuments:
+    """This rank's slice of the per-token document ids [b, local_seq], as the attention ``mask``.
+
+    The model's ``attention_mask`` passes any non-tensor mask through, so every layer receives this
+    object (also when activation checkpointing recomputes a block, and per pipeline micro-batch:
+    the pre-hook wraps each call's ids). ``full()`` all-gathers the ids once per forward.
+    """
+
+    def __init__(self, local: Tensor, group: dist.ProcessGroup) -> None:
+        self.local = local
+        self.group = group
+        self._full: Tensor | None = None
+
+    def full(self) -> Tensor:
+        """The whole sequence's document ids [b, seq], in the original order (no gradient: ids)."""
+        if self._full is None:
+            cp = dist.get_world_size(self.group)
+            parts = [torch.empty_like(self.local) for _ in range(cp)]
+            dist.all_gather(parts, self.local.contiguous(), group=self.group)
+            seq_len = self.local.shape[1] * cp
+            order = _gathered_to_original_cpu(seq_len, cp).to(self.local.device)
+            self._full = torch.cat(parts, dim=1).index_select(1, order)
+        return self._full
+
+
+def documents_of(mask: object) -> ShardedDocuments | None:
+    """The document ids a CP core receives as ``mask`` (None: plain causal); a dense mask is refused."""
+    if mask is None or isinstance(mask, ShardedDocuments):
+        return mask
+    raise TypeError(
+        f"context parallelism got a {type(mask).__name__} attention mask; it needs the document ids "
+        f"(the model must build its mask with models.llama3.attention.attention_mask, which passes them through)"
+    )
 
 
 class _AllGatherSeq(torch.autograd.Function):
@@ -132,12 +191,12 @@ class AllGatherKVAttention(nn.Module):
             self._masks[key] = mask.masked_fill_(~visible, float("-inf"))
         return self._masks[key]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: object = None) -> Tensor:
         # q [b, heads, local_seq, d], k/v [b, kv_heads, local_seq, d]; local_seq holds two chunks.
         # K/V stay at kv_heads width (SDPA's enable_gqa, no repeat): n_rep times fewer bytes on the
         # wire and, since SDPA saves its inputs for backward, in the full-sequence K/V each rank
         # keeps per layer, the one activation that does not shrink with cp.
+        docs = documents_of(mask)
         chunk = q.shape[2] // 2
         seq_len = q.shape[2] * self.cp
         order = self._gathered_order(seq_len, q.device)
@@ -145,43 +204,37 @@ class AllGatherKVAttention(nn.Module):
         k = _AllGatherSeq.apply(k, self.group, 2).index_select(2, order)
         v = _AllGatherSeq.apply(v, self.group, 2).index_select(2, order)
         outs = []
-        for q_chunk, block in zip(q.split(chunk, dim=2), (self.rank, 2 * self.cp - 1 - self.rank)):
+        for q_chunk, block in zip(q.split(chunk, dim=2), chunk_blocks(self.cp, self.rank)):
             end = (block + 1) * chunk
-            if self.window is not None:
-                start = max(0, block * chunk - (self.window - 1))
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        q_chunk,
-                        k[:, :, start:end],
-                        v[:, :, start:end],
-                        attn_mask=self._window_mask(chunk, block, start, end, q_chunk),
-                        enable_gqa=gqa,
-                    )
-                )
+            start = 0 if self.window is None else max(0, block * chunk - (self.window - 1))
+            kv = k[:, :, start:end], v[:, :, start:end]
+            if docs is not None:  # block-causal: this chunk pair's slice of the document mask
+                ids = docs.full()
+                same = ids[:, block * chunk : end, None] == ids[:, None, start:end]
+                attn_mask = (visible(block * chunk, start, chunk, end - start, self.window, q.device) & same)[:, None]
+                outs.append(F.scaled_dot_product_attention(q_chunk, *kv, attn_mask=attn_mask, enable_gqa=gqa))
+            elif self.window is not None:
+                attn_mask = self._window_mask(chunk, block, start, end, q_chunk)
+                outs.append(F.scaled_dot_product_attention(q_chunk, *kv, attn_mask=attn_mask, enable_gqa=gqa))
             elif end == chunk:  # the first block: an ordinary causal square
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        q_chunk, k[:, :, :end], v[:, :, :end], is_causal=True, enable_gqa=gqa
-                    )
-                )
+                outs.append(F.scaled_dot_product_attention(q_chunk, *kv, is_causal=True, enable_gqa=gqa))
             else:
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        q_chunk,
-                        k[:, :, :end],
-                        v[:, :, :end],
-                        attn_mask=self._prefix_mask(chunk, end, q_chunk),
-                        enable_gqa=gqa,
-                    )
-                )
+                attn_mask = self._prefix_mask(chunk, end, q_chunk)
+                outs.append(F.scaled_dot_product_attention(q_chunk, *kv, attn_mask=attn_mask, enable_gqa=gqa))
         return torch.cat(outs, dim=2)
 
 
 class ContextParallel:
-    """Shards batches along the sequence and wires a model for CP (attention swap + positions)."""
+    """Shards batches along the sequence and wires a model for CP (attention swap + positions).
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    ``mode``: ``allgather``, ``ulysses`` or ``ring`` (``parallel.cp_mode``, the module docstring).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, mode: str = "allgather") -> None:
+        if mode not in CP_MODES:
+            raise ValueError(f"parallel.cp_mode={mode}: not an option; choose one of {'|'.join(CP_MODES)}")
         self.group = group
+        self.mode = mode
         self.cp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
@@ -190,15 +243,34 @@ class ContextParallel:
         pos = balanced_positions(tensors[0].shape[1], self.cp, self.rank, tensors[0].device)
         return tuple(t.index_select(1, pos) for t in tensors)
 
+    def core(self, window: int | None, masks: dict) -> nn.Module:
+        """The attention module of this mode that replaces one core (sliding ``window`` or None)."""
+        if self.mode == "ulysses":
+            from lit_titan.strategies.cp_ulysses import UlyssesAttention
+
+            return UlyssesAttention(self.group, window=window)
+        if self.mode == "ring":
+            from lit_titan.strategies.cp_ring import RingAttention
+
+            return RingAttention(self.group, window=window)
+        return AllGatherKVAttention(self.group, masks, window=window)
+
     def apply(self, model: nn.Module, attention_cores: list[tuple[nn.Module, str]]) -> None:
         masks: dict = {}  # one CPU prefix mask per shape for all layers (see AllGatherKVAttention)
         for parent, name in attention_cores:
             window = getattr(getattr(parent, name), "window", None)
-            setattr(parent, name, AllGatherKVAttention(self.group, masks, window=window))
+            setattr(parent, name, self.core(window, masks))
         model.register_forward_pre_hook(self._inject_positions, with_kwargs=True)
 
     def _inject_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """positions: the balanced slice's (or the given, already sharded, document positions);
+        documents: wrapped as ``ShardedDocuments`` for the CP attention."""
+        # The model's signature is forward(tokens, positions=None, labels=None, documents=None).
+        kwargs = {**dict(zip(("positions", "labels", "documents"), args[1:])), **kwargs}
         local = args[0].shape[1]
         device = args[0].device if not hasattr(args[0], "to_local") else args[0].to_local().device
-        # The model's signature is forward(tokens, positions=None): positions replaces any given one.
-        return args[:1], {**kwargs, "positions": balanced_positions(local * self.cp, self.cp, self.rank, device)}
+        if kwargs.get("positions") is None:
+            kwargs["positions"] = balanced_positions(local * self.cp, self.cp, self.rank, device)
+        if isinstance(kwargs.get("documents"), Tensor):
+            kwargs["documents"] = ShardedDocuments(kwargs["documents"], self.group)
+        return args[:1], kwargs

@@ -21,6 +21,11 @@ PP_SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
 #   last_microbatch: only after the last one: one reduce-scatter per optimizer step, but between
 #     micro-batches every rank holds the *unsharded* gradients (reduce dtype) of its whole model.
 GRAD_REDUCE_SCATTER = ("every_microbatch", "last_microbatch")
+# How context-parallel attention reaches the keys of other ranks (strategies/context_parallel.py):
+#   allgather: all-gather K/V (per-rank K/V memory grows with the full sequence);
+#   ulysses: all-to-all sequence <-> heads (n_heads and n_kv_heads divisible by tp*cp);
+#   ring: K/V blocks passed around the cp ranks, merged by log-sum-exp.
+CP_MODES = ("allgather", "ulysses", "ring")
 # Activation checkpointing modes (strategies/transforms.py) and Float8 recipes (callbacks/float8.py, torchao's
 # names): declared here, torch-free, so the config schema imports the lists the code checks against.
 AC_MODES = ("none", "full", "selective_op", "selective_layer")
@@ -35,6 +40,7 @@ class ParallelConfig:
     dp_replicate: int = setting(1, ge=1)
     dp_shard: int = setting(-1, ge=1, allow=(-1,))
     cp: int = setting(1, ge=1)
+    cp_mode: str = setting("allgather", choices=CP_MODES)
     tp: int = setting(1, ge=1)
     pp_schedule: str = setting("1F1B", choices=PP_SCHEDULES)
     pp_microbatches: int | None = setting(None, ge=1)

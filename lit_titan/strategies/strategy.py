@@ -269,7 +269,7 @@ class TitanStrategy(ModelParallelStrategy):
         # Read every step (grad norm): slicing the mesh each time is host work (.tolist() of its ranks).
         self._pp_group = self._device_mesh["pp"].get_group() if dims.pp > 1 else None
         if dims.cp > 1:
-            self.context_parallel = ContextParallel(self._device_mesh["cp"].get_group())
+            self.context_parallel = ContextParallel(self._device_mesh["cp"].get_group(), self.parallel.cp_mode)
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -466,7 +466,7 @@ class TitanStrategy(ModelParallelStrategy):
                     model_kwargs=extra,
                 )
             else:
-                loss = module.model_loss(local_inputs, local_labels)
+                loss = module.model_loss(local_inputs, local_labels, **extra)
             module.record_train_loss(loss, inputs)
             return loss
 
@@ -482,19 +482,19 @@ class TitanStrategy(ModelParallelStrategy):
                     inputs, labels, module.compute_loss, loss_in_model=module.loss_in_model, model_kwargs=extra
                 )
             else:
-                loss = module.model_loss(inputs, labels)
+                loss = module.model_loss(inputs, labels, **extra)
             module.record_val_loss(loss)
             return loss
 
     def _shard_sequence(self, inputs: Tensor, labels: Tensor, extra: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """This rank's slice of the sequence; per-token ``extra`` (document positions and ids) is
+        sliced in place the same way (the model and every pipeline stage receive it)."""
         if self.context_parallel is None:
             return inputs, labels
-        if extra:  # config.validate refuses these with cp > 1; a custom data module could still send them
-            raise ValueError(
-                f"context parallelism does not take per-token {sorted(extra)} (document positions/"
-                f"masks) yet; set data.document_positions=false and data.document_masking=false"
-            )
-        return self.context_parallel.shard(inputs, labels)
+        names = sorted(extra)
+        *sliced, local_inputs, local_labels = self.context_parallel.shard(*(extra[n] for n in names), inputs, labels)
+        extra.update(zip(names, sliced))
+        return local_inputs, local_labels
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is not None:

@@ -48,6 +48,9 @@ TARGETS = {
         "resume_dp2",
     ),
     "loss_parallel_local_logsumexp": ("test_parallel.py::test_layout_matches_single_process", "tp2"),
+    "cp_ring_merge_without_lse_rescale": ("test_cp_modes.py::test_cp_mode_matches_single_process", "cp2_ring"),
+    "cp_ring_chunk_mask_off_by_one": ("test_cp_modes.py::test_cp_mode_matches_single_process", "cp2_ring"),
+    "cp_ulysses_all_to_all_wrong_dim": ("test_cp_modes.py::test_cp_mode_matches_single_process", "cp2_ulysses"),
 }
 
 # Mutants of code every layout shares (the data path's positions): the one-process reference has the same bug,
@@ -63,12 +66,13 @@ REFERENCE_TARGETS = {
 
 
 # Mutants caught, by the same 10x margin, by a test of their own: its case kills processes (no reused world), or
-# needs another one-process reference (another optimizer). The test named runs the mutant and asserts the margin.
+# needs another one-process reference (another optimizer, packed documents). The test named runs the mutant and asserts the margin.
 OWN_TESTS = {
     "ft_survivors_keep_old_normaliser": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
     "ft_dead_samples_skipped": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
     "ft_rejoin_stale_weights": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
     "muon_orthogonalises_each_shard": "test_muon_parity.py::test_muon_mutant_orthogonalising_each_shard_is_caught",
+    "cp_document_boundary_across_chunk": "test_cp_modes.py::test_document_masked_modes_match_single_process",
 }
 
 

@@ -289,6 +289,9 @@ CASES: dict[str, list[str]] = {
         "parallel.dp_shard=2",
         "parallel.pp_schedule=Interleaved1F1B",
     ],
+    # context-parallel modes (tests/parity/test_cp_modes.py; their mutants in tests/parity/test_mutants.py)
+    "cp2_ring": ["cluster.devices=2", "parallel.cp=2", "parallel.cp_mode=ring"],
+    "cp2_ulysses": ["cluster.devices=2", "parallel.cp=2", "parallel.cp_mode=ulysses"],
 }
 
 

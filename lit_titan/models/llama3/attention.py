@@ -45,6 +45,9 @@ def attention_mask(
     """
     if backend not in BACKENDS:
         raise ValueError(f"model.attention={backend!r}; choose one of {BACKENDS}")
+    if documents is not None and not isinstance(documents, Tensor):
+        # context parallelism's ShardedDocuments: its attention builds the mask per chunk pair
+        return documents
     if backend == "sdpa":
         if documents is None:
             return None if window is None else window_mask(seq_len, window, torch.device(device))

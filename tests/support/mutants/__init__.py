@@ -397,3 +397,6 @@ def _muon_shardwise(p: _Patcher) -> None:
         return muon.newton_schulz(momentum, steps) * muon.update_scale(like.shape)
 
     p.set(muon, "orthogonalised_update", shardwise)
+
+
+from mutants import context_parallel as _context_parallel  # noqa: E402,F401  (registers the CP-mode mutants)

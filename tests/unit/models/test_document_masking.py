@@ -107,11 +107,8 @@ def test_grads_flow_with_the_dense_mask():
 
 @pytest.mark.parametrize(
     "extra, needle",
-    [
-        (["cluster.devices=2", "parallel.cp=2"], "data.document_masking=true: not supported with parallel.cp > 1"),
-        (["model.attention=flex"], "model.attention=flex: cannot train on CPU"),
-    ],
-    ids=["cp", "flex-on-cpu"],
+    [(["model.attention=flex"], "model.attention=flex: cannot train on CPU")],
+    ids=["flex-on-cpu"],
 )
 def test_refused_with_one_line(extra, needle):
     with pytest.raises(ConfigError) as info:
