@@ -40,8 +40,8 @@ from lit_titan.callbacks.settings import NONFINITE_ACTIONS as ACTIONS
 from lit_titan.callbacks.settings import NonFiniteConfig
 from lit_titan.errors import NonFiniteError
 from lit_titan.observe.log_cadence import is_logging_step
-from lit_titan.strategies.contract import module_contract
 from lit_titan.settings import settings_of
+from lit_titan.strategies.contract import module_contract
 
 __all__ = ["ACTIONS", "NonFiniteError", "NonFiniteGuard"]
 

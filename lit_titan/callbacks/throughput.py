@@ -21,9 +21,8 @@ from lit_titan.callbacks.settings import ThroughputConfig
 from lit_titan.models.registry import count_params, flops_per_token
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.throughput import Mark, batch_tokens, peak_bf16_tflops, per_device_throughput
-from lit_titan.strategies.contract import contract, module_contract
 from lit_titan.settings import settings_of
-from lit_titan.strategies.contract import contract
+from lit_titan.strategies.contract import contract, module_contract
 
 __all__ = ["ThroughputMonitor"]
 

@@ -35,7 +35,6 @@ import torch
 from lit_titan.callbacks.settings import TimelineConfig
 from lit_titan.observe.phases import PHASES, PhaseClock, StepTimes
 from lit_titan.settings import settings_of
-from lit_titan.strategies.contract import contract
 from lit_titan.strategies.contract import contract, module_contract
 
 __all__ = ["TIMELINE_COLUMNS", "Timeline"]
