@@ -51,8 +51,17 @@ def check_schema(cfg: DictConfig) -> None:
 def schema_for(data: dict[str, Any]) -> type:
     """The job schema whose model group is the family of ``data``'s flavor (``model.name``)."""
     model = data.get("model")
-    name = model.get("name") if isinstance(model, dict) else None
-    return train_schema(name if isinstance(name, str) and not _is_interpolation(name) else None)
+    if not isinstance(model, dict) or "name" not in model or _is_interpolation(model["name"]):
+        return train_schema(None)
+    name = model["name"]
+    schema = train_schema(name) if isinstance(name, str) else None
+    if schema is None or schema is TrainSchema:
+        from lit_titan.models.registry import flavor_names
+
+        raise ConfigError(
+            f"model.name={_show(name)}: not a model flavor; choose model=<one of {', '.join(flavor_names())}>"
+        )
+    return schema
 
 
 def resolved(cfg: DictConfig) -> dict[str, Any]:
