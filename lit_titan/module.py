@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from lit_titan.models import registry
 from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
-from lit_titan.models.moe import update_expert_bias
+from lit_titan.models.moe import MoE, update_expert_bias
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.phases import PhaseClock, phase
 from lit_titan.optim.build import OptimConfig, build_optimizer, build_scheduler
@@ -196,6 +196,13 @@ class PretrainModule(L.LightningModule):
 
     def record_val_loss(self, loss: Tensor) -> None:
         self.log("val/loss", _plain(loss.detach()), sync_dist=True, prog_bar=True)
+
+    def on_fit_start(self) -> None:
+        # MoE layers' global-batch auxiliary loss sums its token counts over the ranks sharing the batch
+        group = self.strategy_contract.batch_group
+        for m in self.model.modules() if self.model is not None else ():
+            if isinstance(m, MoE):
+                m.count_group = group
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # The previous logging step's row is written: drop its values, or Lightning would read the

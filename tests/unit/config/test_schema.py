@@ -19,7 +19,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.config import ConfigError, compose, conf_dir, validate
-from lit_titan.config.schema import TARGET_SCHEMAS, TrainSchema
+from lit_titan.config.schema import TARGET_SCHEMAS
 from lit_titan.config.schema_check import field_types, is_union, rule_problem, schema_for
 from paths import ROOT
 
