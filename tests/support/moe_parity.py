@@ -28,6 +28,8 @@ MOE = [
 MOE_CASES: dict[str, list[str]] = {
     "moe_dp2": ["cluster.devices=2"],
     "moe_dp2_accum2": ["cluster.devices=2", "data.micro_batch_size=2"],
+    "moe_tp2": ["cluster.devices=2", "parallel.tp=2"],
+    "moe_dp2_tp2_accum2": ["cluster.devices=4", "parallel.tp=2", "data.micro_batch_size=2"],
 }
 
 

@@ -1,25 +1,93 @@
-"""Parallel layout of the Qwen3-MoE family: FSDP units as Llama's (one per block, experts inside it).
+"""Parallel layout of the Qwen3-MoE family: Llama's top level and attention, plus q/k norms and the MoE layer.
 
-The top-level modules (embedding, final norm, head) carry Llama's names and layout. Tensor and pipeline
-parallel are not planned yet: ``tp_block`` refuses, and no ``pipeline_units`` makes the strategy refuse
-``parallel.pp > 1`` (the auxiliary loss is made on the last stage from every layer's statistics, which a
-pipeline would need to carry across stages).
+Tensor parallel (with sequence parallel, as Llama): attention is Llama's (q/k/v column-wise, o row-wise);
+the per-head q/k RMSNorms see only this rank's heads, so their weights are replicated DTensors over a
+head-sharded input (``SequenceParallel(sequence_dim=2)``), which reduces their partial gradients.
+
+The MoE layer is replicated over tp, by choice: its input is all-gathered to the whole sequence, every tp
+rank routes and computes all tokens, and the output goes back to this rank's sequence slice (an all-gather
+in backward). So every tp rank holds the full gradient of the router, experts and shared experts (nothing
+is partial and nothing needs a reduction over tp), and the balancing statistics (auxiliary losses, token
+counts for the expert bias) are those of whole sequences on every rank, as in one process. The cost is tp
+times the expert FLOPs; at scale experts are split by expert parallel instead (``parallel.ep``), which
+is where their FLOPs belong. TP-sharding each expert's hidden width would leave the router's gradient
+partial over tp (the output is a partial sum), the bug this layout rules out.
+
+Pipeline parallel is not planned (no ``pipeline_units``: the strategy refuses ``parallel.pp > 1``): the
+auxiliary loss is made on the last stage from every MoE layer's statistics, which would have to travel
+between stages.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from lit_titan.models.llama3.parallelize import attention_cores, blocks, fsdp_units, tp_root
+from lit_titan.models.llama3.parallelize import tp_block as llama_tp_block
 from lit_titan.models.qwen3_moe.model import Qwen3MoE
 from lit_titan.strategies.parallel_plan import ParallelPlan, register_plan
 
 
+def replicated_moe_style() -> Any:
+    """The MoE layer replicated over tp (the module docstring says why), written by hand: no torch style
+    replicates a module's weights while it runs on plain tensors. Its weights become Replicate DTensors (so
+    FSDP, the grad norm and checkpoints see one mesh with the rest of the block); its input is gathered to
+    the whole sequence; while it runs its weights are their local tensors (``to_local`` is differentiable:
+    each rank's full gradient lands on the DTensor as a replicated one); its output goes back to Shard(1)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def replicate_params(name: str, module: nn.Module, mesh: Any) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(param, mesh, [Replicate()])
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    def gather_input(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return (x.redistribute(placements=[Replicate()]).to_local(), *inputs[1:])
+
+    def shard_output(module: nn.Module, output: Any, mesh: Any) -> Any:
+        return DTensor.from_local(output, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+
+    def local_weights(module: nn.Module, inputs: tuple) -> None:
+        swapped = []
+        for sub in module.modules():
+            for pname, param in list(sub._parameters.items()):
+                if isinstance(param, DTensor):
+                    swapped.append((sub, pname, param))
+                    sub._parameters[pname] = param.to_local()
+        module._replicated_params = swapped
+
+    def restore_weights(module: nn.Module, inputs: tuple, output: Any) -> None:
+        for sub, pname, param in getattr(module, "_replicated_params", ()):
+            sub._parameters[pname] = param
+        module._replicated_params = []
+
+    class ReplicatedMoE(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            distribute_module(module, device_mesh, replicate_params, gather_input, shard_output)
+            module.register_forward_pre_hook(local_weights)
+            module.register_forward_hook(restore_weights)
+            return module
+
+    return ReplicatedMoE()
+
+
 def tp_block(block: nn.Module) -> dict:
-    raise ValueError(
-        "parallel.tp>1: the qwen3_moe family has no tensor-parallel plan yet (the router's and q/k norms' "
-        "gradients are partial over tp); use parallel.tp=1 and parallel.dp_shard for the ranks"
-    )
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    plan = llama_tp_block(block)
+    plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if block.moe is not None:
+        for name in [k for k in plan if k.startswith("feed_forward")]:
+            del plan[name]
+        plan["moe"] = replicated_moe_style()
+    return plan
 
 
 QWEN3_MOE_PLAN = ParallelPlan(
