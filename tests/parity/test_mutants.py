@@ -62,6 +62,23 @@ REFERENCE_TARGETS = {
 }
 
 
+# MoE mutants: against the MoE family's own one-process reference (tests/support/moe_parity.py), mutant ->
+# (the parity test that must catch it, its case in moe_parity.MOE_CASES) ...
+MOE_TARGETS = {
+    "moe_router_grad_not_reduced_over_tp": ("test_moe_parity.py::test_moe_layout_matches_single_process", "moe_tp2"),
+    "moe_capacity_drops_tokens": ("test_moe_parity.py::test_moe_layout_matches_single_process", "moe_dp2"),
+}
+# ... or, where the bug needs a planted state (every routing score tied), a function run in a 2-rank world
+# returning the worst relative gradient error against one process, with its tolerance.
+MOE_WORLD_TARGETS = {
+    "moe_topk_ties_rank_dependent": (
+        "test_moe_parity.py::test_routing_ties_break_alike_on_every_rank",
+        "moe_tie_case:dp_ties_error",
+        "test_moe_parity:TIE_TOL",
+    ),
+}
+
+
 def _resolve(target: str):
     import importlib
 
@@ -70,7 +87,8 @@ def _resolve(target: str):
 
 
 def test_every_mutant_has_a_target():
-    assert set(TARGETS) | set(REFERENCE_TARGETS) == set(MUTANTS) and len(MUTANTS) >= 12
+    targeted = set(TARGETS) | set(REFERENCE_TARGETS) | set(MOE_TARGETS) | set(MOE_WORLD_TARGETS)
+    assert targeted == set(MUTANTS) and len(MUTANTS) >= 12
 
 
 def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, worlds):
@@ -114,3 +132,19 @@ def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, wo
             json.dump(rows, f, indent=1)
     weak = [f"{r['mutant']}: {r['margin']:.3g}x ({r['effect']})" for r in rows if not r["margin"] >= MIN_MARGIN]
     assert not weak, "mutants not caught by a 10x margin:\n" + "\n".join(weak)
+
+
+def test_moe_mutants_are_caught_with_a_10x_margin(moe_parity_reference, tmp_path, worlds):
+    from moe_parity import run_moe_case
+
+    weak = []
+    for name, (test, case) in MOE_TARGETS.items():
+        report = measure(case, moe_parity_reference, run_moe_case(worlds, case, tmp_path / name, mutant=name))
+        margin, what = report.margin(TOL)
+        if not margin >= MIN_MARGIN:
+            weak.append(f"{name} ({test}): {margin:.3g}x ({what})")
+    for name, (test, target, tol) in MOE_WORLD_TARGETS.items():
+        err = worlds.run(2, target, name).value
+        if not err / _resolve(tol) >= MIN_MARGIN:
+            weak.append(f"{name} ({test}): {err / _resolve(tol):.3g}x (error {err:.3g})")
+    assert not weak, "MoE mutants not caught by a 10x margin:\n" + "\n".join(weak)

@@ -92,7 +92,9 @@ class ParityDump(L.Callback):
         self._pending = None
         weights = {single_device_name(n): _full(p) for n, p in pl_module.model.named_parameters()}
         # state that is not a parameter but must match too: an MoE layer's expert bias (aux-loss-free balancing)
-        weights.update({single_device_name(n): _full(b) for n, b in pl_module.model.named_buffers() if n.endswith("expert_bias")})
+        weights.update(
+            {single_device_name(n): _full(b) for n, b in pl_module.model.named_buffers() if n.endswith("expert_bias")}
+        )
         params = _gather_to_rank0(weights)
         norm = pl_module._last_grad_norm
         norm = float(_full(norm)) if norm is not None else math.nan

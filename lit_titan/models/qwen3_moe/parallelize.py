@@ -50,9 +50,6 @@ def replicated_moe_style() -> Any:
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
         return (x.redistribute(placements=[Replicate()]).to_local(), *inputs[1:])
 
-    def shard_output(module: nn.Module, output: Any, mesh: Any) -> Any:
-        return DTensor.from_local(output, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
-
     def local_weights(module: nn.Module, inputs: tuple) -> None:
         swapped = []
         for sub in module.modules():
@@ -75,6 +72,14 @@ def replicated_moe_style() -> Any:
             return module
 
     return ReplicatedMoE()
+
+
+def shard_output(module: nn.Module, output: Any, mesh: Any) -> Any:
+    """The replicated MoE output -> this rank's sequence slice; backward all-gathers the slices' gradients,
+    so every tp rank's router and experts get every token's gradient (nothing partial to reduce)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(output, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
 
 
 def tp_block(block: nn.Module) -> dict:
