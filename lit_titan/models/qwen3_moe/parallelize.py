@@ -13,9 +13,10 @@ times the expert FLOPs; at scale experts are split by expert parallel instead (`
 is where their FLOPs belong. TP-sharding each expert's hidden width would leave the router's gradient
 partial over tp (the output is a partial sum), the bug this layout rules out.
 
-Pipeline parallel is not planned (no ``pipeline_units``: the strategy refuses ``parallel.pp > 1``): the
+Not planned yet, so the config refuses them in one line: pipeline parallel (no ``pipeline_units``: the
 auxiliary loss is made on the last stage from every MoE layer's statistics, which would have to travel
-between stages.
+between stages) and context parallel (no ``attention_cores``: the sequence-wise auxiliary loss needs whole
+sequences, and no parity case covers it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from lit_titan.models.llama3.parallelize import attention_cores, blocks, fsdp_units, tp_root
+from lit_titan.models.llama3.parallelize import blocks, fsdp_units, tp_root
 from lit_titan.models.llama3.parallelize import tp_block as llama_tp_block
 from lit_titan.models.qwen3_moe.model import Qwen3MoE
 from lit_titan.strategies.parallel_plan import ParallelPlan, register_plan
@@ -100,6 +101,5 @@ QWEN3_MOE_PLAN = ParallelPlan(
     tp_block=tp_block,
     blocks=blocks,
     fsdp_units=fsdp_units,
-    attention_cores=attention_cores,
 )
 register_plan(Qwen3MoE, QWEN3_MOE_PLAN)
