@@ -64,6 +64,9 @@ class ModelSpec:
     # is the whole model's count when measured on a built model, which a dense family uses and an MoE
     # family ignores (a token does not touch every expert)
     flops_per_token: Callable[..., float]
+    # (args, layer) -> (elements TP shards, elements TP keeps whole) of block ``layer``: the planner's
+    # closed-form layout (planner/analytic.py), which must agree with the family's parallel plan
+    layer_numel: Callable[[Any, int], tuple[int, int]] | None = None
     # model.* keys whose null is a value (e.g. no rotary scaling), passed even when null
     nullable_keys: tuple[str, ...] = ()
 
@@ -88,6 +91,7 @@ def _llama3() -> ModelSpec:
         hf=hf,
         count_params=flops.count_params,
         flops_per_token=flops.flops_per_token,
+        layer_numel=flops.layer_numel,
         nullable_keys=("rope_scaling",),
     )
 
@@ -107,6 +111,7 @@ def _qwen3_moe() -> ModelSpec:
         hf=hf,
         count_params=qwen3_moe.count_params,
         flops_per_token=qwen3_moe.flops_per_token,
+        layer_numel=qwen3_moe.layer_numel,
     )
 
 
@@ -178,6 +183,14 @@ def count_params(args: Any, active: bool = False) -> int:
 
 def flops_per_token(args: Any, seq_len: int, num_params: int | None = None) -> float:
     return spec_of(args).flops_per_token(args, seq_len, num_params)
+
+
+def layer_numel(args: Any, layer: int) -> tuple[int, int]:
+    """(elements TP shards, elements TP keeps whole) of block ``layer``; TypeError when the family has no count."""
+    spec = spec_of(args)
+    if spec.layer_numel is None:
+        raise TypeError(f"the {spec.name} model family has no layer_numel; the planner cannot size it")
+    return spec.layer_numel(args, layer)
 
 
 def hf_adapter(args: Any, where: str) -> HFAdapter:

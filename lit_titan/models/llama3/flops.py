@@ -33,6 +33,14 @@ def count_params(model_args: ModelArgs, active: bool = False) -> int:
     return model_args.n_layers * block + 2 * model_args.vocab_size * dim + dim  # embedding, output, norm
 
 
+def layer_numel(model_args: ModelArgs, layer: int) -> tuple[int, int]:
+    """(elements TP shards, elements TP keeps whole) of one block: every weight is TP-sharded but the
+    RMSNorm weights, which sequence parallel keeps replicated (the parallel block has one norm)."""
+    h, hd = model_args.dim, model_args.head_dim
+    block = h * model_args.n_heads * hd * 2 + h * model_args.kv_heads * hd * 2 + 3 * h * model_args.ffn_hidden_dim
+    return block, (1 if model_args.parallel_block else 2) * h
+
+
 def flops_per_token(model_args: ModelArgs, seq_len: int, num_params: int | None = None) -> float:
     """Training (forward + backward) model FLOPs per token (PaLM appendix B / TorchTitan).
 

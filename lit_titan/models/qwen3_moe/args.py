@@ -37,6 +37,14 @@ class Qwen3MoEArgs:
         """HF's rule (``Qwen3MoeDecoderLayer``)."""
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The SwiGLU width a token's activations see, averaged over layers (the planner's activation and
+        Float8 terms): ffn_dim on a dense layer, top_k experts' plus the shared ones' on an MoE layer."""
+        m = self.moe
+        moe = m.hidden_dim * (m.top_k + m.num_shared_experts)
+        return round(sum(moe if self.is_moe(i) else self.ffn_dim for i in range(self.n_layers)) / self.n_layers)
+
     def window_of(self, layer: int) -> None:
         return None
 
@@ -130,6 +138,18 @@ def _ffn_params(a: Qwen3MoEArgs, layer: int, active: bool) -> int:
     experts = m.top_k if active else m.num_experts
     shared = 3 * a.dim * m.hidden_dim * m.num_shared_experts
     return a.dim * m.num_experts + 3 * a.dim * m.hidden_dim * experts + shared  # router + experts
+
+
+def layer_numel(a: Qwen3MoEArgs, layer: int) -> tuple[int, int]:
+    """(elements TP shards, elements TP keeps whole) of block ``layer`` under the family's plan
+    (parallelize.py): q/k/v/o and a dense layer's SwiGLU are TP-sharded; the norms, q/k norms and the
+    whole MoE layer (router, experts, shared experts) are replicated over tp."""
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    attention = a.dim * (q + 2 * kv) + q * a.dim
+    norms = 2 * a.dim + 2 * a.head_dim
+    if a.is_moe(layer):
+        return attention, norms + _ffn_params(a, layer, active=False)
+    return attention + 3 * a.dim * a.ffn_dim, norms
 
 
 def count_params(a: Qwen3MoEArgs, active: bool = False) -> int:
