@@ -112,3 +112,15 @@ def test_hf_adapter_round_trips_through_the_registry(tmp_path: Path):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
     with pytest.raises(ValueError, match="export: Qwen3-MoE on Hugging Face has softmax routing"):
         adapter.check_hf_expressible(registry.model_args("qwen3_moe_debug", moe={"score_func": "sigmoid"}), "export")
+
+
+def test_planner_sizes_the_family_and_searches_only_layouts_its_plan_covers():
+    from lit_titan.planner.analytic import analytic_layout
+    from lit_titan.planner.search import enumerate_layouts
+    from lit_titan.strategies.parallel_dims import ParallelDims
+
+    args = registry.model_args("qwen3_30b_a3b")
+    one = analytic_layout(args, ParallelDims(world_size=1, dp_shard=1), None, precision="bf16-mixed")
+    assert one.params_total == registry.count_params(args)  # memory: every expert
+    cands = enumerate_layouts(args, world=8, seq_len=4096, global_batch=64, gpus_per_node=8, fp8=False)
+    assert cands and {(c.dims.pp, c.dims.cp) for c in cands} == {(1, 1)}
