@@ -35,3 +35,25 @@ def test_routing_ties_break_alike_on_every_rank(worlds):
     """Every score tied (router weights zero): dp2 gradients equal one process, so ties go to the same
     experts on every rank (the lowest index), not in an order that depends on the device or rank."""
     assert worlds.run(2, "moe_tie_case:dp_ties_error").value < TIE_TOL
+
+
+def test_moe_reference_routing_changes_over_the_steps(moe_parity_reference):
+    """The compared steps are not one routing: between steps 0 and 7 the router's weights and the expert bias
+    send a share of the same inputs to other experts, and the bias has moved (the aux-loss-free method ran)."""
+    import torch
+
+    from moe_parity import MOE
+    from parity import load_dumps
+
+    dumps = load_dumps(moe_parity_reference / "dump")
+    first, last = dumps[min(dumps)]["params"], dumps[max(dumps)]["params"]
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    k = int(next(o for o in MOE if o.startswith("model.moe.top_k=")).split("=")[1])
+    changed = []
+    for layer in ("0", "1"):
+        gate, bias = f"layers.{layer}.moe.router.gate.weight", f"layers.{layer}.moe.expert_bias"
+        assert last[bias].abs().max() > 0, "the expert bias never moved"
+        before = torch.topk((x @ first[gate].T).softmax(-1) + first[bias], k).indices.sort(-1).values
+        after = torch.topk((x @ last[gate].T).softmax(-1) + last[bias], k).indices.sort(-1).values
+        changed.append((before != after).any(-1).float().mean().item())
+    assert min(changed) > 0.05, changed
