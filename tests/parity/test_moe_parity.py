@@ -57,3 +57,19 @@ def test_moe_reference_routing_changes_over_the_steps(moe_parity_reference):
         after = torch.topk((x @ last[gate].T).softmax(-1) + last[bias], k).indices.sort(-1).values
         changed.append((before != after).any(-1).float().mean().item())
     assert min(changed) > 0.05, changed
+
+
+@pytest.mark.parity
+def test_global_batch_aux_loss_dp2_matches_single_process(tmp_path, worlds):
+    """Qwen's global-batch balancing loss (``aux_loss=global``): each rank's token counts summed over the data
+    ranks (the module sets ``count_group`` to the strategy's batch group), so dp2 has one process's loss,
+    gradients and weights. Without accumulation: its counts are each micro-batch's (docs/moe.md)."""
+    from moe_parity import MOE
+    from parity import run_layout
+
+    regime = [o for o in MOE if not o.startswith("model.moe.aux_loss=")] + ["model.moe.aux_loss=global"]
+    reference = run_layout(worlds, [*regime, "cluster.devices=1"], tmp_path / "reference")
+    got = run_layout(worlds, [*regime, "cluster.devices=2"], tmp_path / "dp2")
+    check_case("moe_global_dp2", reference, got)
+    ref_aux, got_aux = aux_losses(reference), aux_losses(got)
+    assert len(got_aux) == 8 and max(abs(g - r) / r for g, r in zip(got_aux, ref_aux)) < 1e-5, (ref_aux, got_aux)
