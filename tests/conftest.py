@@ -81,6 +81,15 @@ def parity_reference(worlds, tmp_path_factory):
     return run_reference(worlds, tmp_path_factory.mktemp("parity-reference"))
 
 
+@pytest.fixture(scope="session")
+def moe_parity_reference(worlds, tmp_path_factory):
+    """The one-process run of tests/support/moe_parity.py's tiny Qwen3-MoE: the MoE parity cases and mutants
+    compare with it."""
+    from moe_parity import run_moe_reference
+
+    return run_moe_reference(worlds, tmp_path_factory.mktemp("moe-parity-reference"))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -160,6 +160,22 @@ def tied_embeddings_without_pipeline(cfg: DictConfig, args: ModelArgs, dims: Par
         )
 
 
+def layout_fits_family(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """A degree the model family's parallel plan does not cover is refused here, not after the ranks start."""
+    from lit_titan.models.registry import spec_of
+
+    spec = spec_of(args)
+    for key, degree, covered, what in (
+        ("pp", dims.pp, spec.plan.pipeline_units, "pipeline units"),
+        ("cp", dims.cp, spec.plan.attention_cores, "context-parallel attention"),
+    ):
+        if degree > 1 and covered is None:
+            raise ConfigError(
+                f"parallel.{key}={degree}: the {spec.name} model family's parallel plan has no {what} "
+                f"({cfg.model.name}); use parallel.{key}=1 and the ranks for parallel.dp_shard or parallel.tp"
+            )
+
+
 def grad_reduce_scatter(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     from lit_titan.strategies.fsdp import PP_LAST_MICROBATCH
 
@@ -239,6 +255,7 @@ def launcher(cfg: DictConfig, launcher: DictConfig | None) -> None:
 MODEL_RULES = (loss_chunks, seq_len_fits_model, tokenizer_fits_model, sliding_window_fits_sequence, hf_weights_match)
 CONFIG_RULES = (optimizer, fault_drill, preflight, profiler_windows)
 LAYOUT_RULES = (
+    layout_fits_family,
     tied_embeddings_without_pipeline,
     grad_reduce_scatter,
     degrees_fit_model,

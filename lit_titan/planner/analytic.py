@@ -17,12 +17,14 @@ from lit_titan.strategies.pipeline import PipelineConfig, split_units, stage_ids
 
 
 def module_numel(args) -> dict[str, tuple[int, int]]:
-    """Per pipeline module: (elements TP shards, elements TP keeps whole: norm weights)."""
-    h, hd, f, v = args.dim, args.head_dim, args.ffn_hidden_dim, args.vocab_size
-    block = h * args.n_heads * hd * 2 + h * args.kv_heads * hd * 2 + 3 * h * f
+    """Per pipeline module: (elements TP shards, elements TP keeps whole); blocks from the model family
+    (``registry.layer_numel``: an MoE layer counts every expert, the memory it holds)."""
+    from lit_titan.models.registry import layer_numel
+
+    h, v = args.dim, args.vocab_size
     out = {"tok_embeddings": (v * h, 0), "norm": (0, h), "output": (v * h, 0)}
     for k in range(args.n_layers):
-        out[f"layers.{k}"] = (block, (1 if args.parallel_block else 2) * h)  # parallel block: one norm
+        out[f"layers.{k}"] = layer_numel(args, k)
     return out
 
 

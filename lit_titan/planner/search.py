@@ -104,17 +104,21 @@ def divisors(n: int) -> list[int]:
 def enumerate_layouts(
     args, *, world: int, seq_len: int, global_batch: int, gpus_per_node: int, fp8: bool
 ) -> list[Candidate]:
-    """Every candidate whose degrees divide the world and the model (no memory or time yet)."""
+    """Every candidate whose degrees divide the world and the model and that the model family's parallel
+    plan covers (no pipeline or context parallel where it has none; no memory or time yet)."""
+    from lit_titan.models.registry import spec_of
+
+    plan = spec_of(args).plan
     out: list[Candidate] = []
     n_units = args.n_layers + 2
     for tp in divisors(world):
         if tp > max(gpus_per_node, 1) or args.n_heads % tp or args.kv_heads % tp or seq_len % tp:
             continue
         for cp in divisors(world // tp):
-            if cp > 1 and seq_len % (2 * cp * tp):
+            if cp > 1 and (seq_len % (2 * cp * tp) or plan.attention_cores is None):
                 continue
             for pp in divisors(world // (tp * cp)):
-                if pp > n_units:
+                if pp > n_units or (pp > 1 and plan.pipeline_units is None):
                     continue
                 for dpr in divisors(world // (tp * cp * pp)):
                     dps = world // (tp * cp * pp * dpr)

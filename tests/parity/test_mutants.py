@@ -75,6 +75,22 @@ OWN_TESTS = {
     "cp_document_boundary_across_chunk": "test_cp_modes.py::test_document_masked_modes_match_single_process",
 }
 
+# MoE mutants: against the MoE family's own one-process reference (tests/support/moe_parity.py), mutant ->
+# (the parity test that must catch it, its case in moe_parity.MOE_CASES) ...
+MOE_TARGETS = {
+    "moe_router_grad_not_reduced_over_tp": ("test_moe_parity.py::test_moe_layout_matches_single_process", "moe_tp2"),
+    "moe_capacity_drops_tokens": ("test_moe_parity.py::test_moe_layout_matches_single_process", "moe_dp2_accum2"),
+}
+# ... or, where the bug needs a planted state (every routing score tied), a function run in a 2-rank world
+# returning the worst relative gradient error against one process, with its tolerance.
+MOE_WORLD_TARGETS = {
+    "moe_topk_ties_rank_dependent": (
+        "test_moe_parity.py::test_routing_ties_break_alike_on_every_rank",
+        "moe_tie_case:dp_ties_error",
+        "test_moe_parity:TIE_TOL",
+    ),
+}
+
 
 def _resolve(target: str):
     import importlib
@@ -84,7 +100,8 @@ def _resolve(target: str):
 
 
 def test_every_mutant_has_a_target():
-    assert set(TARGETS) | set(REFERENCE_TARGETS) | set(OWN_TESTS) == set(MUTANTS) and len(MUTANTS) >= 12
+    targeted = set(TARGETS) | set(REFERENCE_TARGETS) | set(OWN_TESTS) | set(MOE_TARGETS) | set(MOE_WORLD_TARGETS)
+    assert targeted == set(MUTANTS) and len(MUTANTS) >= 12
 
 
 def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, worlds):
@@ -128,3 +145,21 @@ def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, wo
             json.dump(rows, f, indent=1)
     weak = [f"{r['mutant']}: {r['margin']:.3g}x ({r['effect']})" for r in rows if not r["margin"] >= MIN_MARGIN]
     assert not weak, "mutants not caught by a 10x margin:\n" + "\n".join(weak)
+
+
+def test_moe_mutants_are_caught_with_a_10x_margin(moe_parity_reference, tmp_path, worlds):
+    """Each on step 0 of its case (gradients and clip norm), which every one of these bugs changes."""
+    from moe_parity import first_step_margin
+
+    weak = []
+    for name, (test, case) in MOE_TARGETS.items():
+        margin, what = first_step_margin(worlds, case, moe_parity_reference, tmp_path / name, name)
+        print(f"{name}: caught at {margin:.3g}x ({what})")
+        if not margin >= MIN_MARGIN:
+            weak.append(f"{name} ({test}): {margin:.3g}x ({what})")
+    for name, (test, target, tol) in MOE_WORLD_TARGETS.items():
+        err = worlds.run(2, target, name).value
+        print(f"{name}: caught at {err / _resolve(tol):.3g}x (error {err:.3g})")
+        if not err / _resolve(tol) >= MIN_MARGIN:
+            weak.append(f"{name} ({test}): {err / _resolve(tol):.3g}x (error {err:.3g})")
+    assert not weak, "MoE mutants not caught by a 10x margin:\n" + "\n".join(weak)

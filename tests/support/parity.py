@@ -90,7 +90,12 @@ class ParityDump(L.Callback):
             return  # inside an accumulation window
         step, grads = self._pending
         self._pending = None
-        params = _gather_to_rank0({single_device_name(n): _full(p) for n, p in pl_module.model.named_parameters()})
+        weights = {single_device_name(n): _full(p) for n, p in pl_module.model.named_parameters()}
+        # state that is not a parameter but must match too: an MoE layer's expert bias (aux-loss-free balancing)
+        weights.update(
+            {single_device_name(n): _full(b) for n, b in pl_module.model.named_buffers() if n.endswith("expert_bias")}
+        )
+        params = _gather_to_rank0(weights)
         norm = pl_module._last_grad_norm
         norm = float(_full(norm)) if norm is not None else math.nan
         if trainer.global_rank == 0:

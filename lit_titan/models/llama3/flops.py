@@ -19,10 +19,11 @@ from __future__ import annotations
 from lit_titan.models.llama3.args import ModelArgs
 
 
-def count_params(model_args: ModelArgs) -> int:
+def count_params(model_args: ModelArgs, active: bool = False) -> int:
     """Parameters of the whole Llama 3 ``Transformer`` built from ``model_args`` (untied output head).
 
-    Equals ``sum(p.numel() for p in Transformer(model_args).parameters())``.
+    Equals ``sum(p.numel() for p in Transformer(model_args).parameters())``; dense, so every token
+    uses all of them (``active`` changes nothing).
     """
     dim, hd = model_args.dim, model_args.head_dim
     attention = dim * model_args.n_heads * hd * 2 + dim * model_args.kv_heads * hd * 2  # wq, wo, wk, wv
@@ -30,6 +31,14 @@ def count_params(model_args: ModelArgs) -> int:
     norms = 1 if model_args.parallel_block else 2  # the parallel block has one norm
     block = attention + ffn + norms * dim  # + attention_norm, ffn_norm
     return model_args.n_layers * block + 2 * model_args.vocab_size * dim + dim  # embedding, output, norm
+
+
+def layer_numel(model_args: ModelArgs, layer: int) -> tuple[int, int]:
+    """(elements TP shards, elements TP keeps whole) of one block: every weight is TP-sharded but the
+    RMSNorm weights, which sequence parallel keeps replicated (the parallel block has one norm)."""
+    h, hd = model_args.dim, model_args.head_dim
+    block = h * model_args.n_heads * hd * 2 + h * model_args.kv_heads * hd * 2 + 3 * h * model_args.ffn_hidden_dim
+    return block, (1 if model_args.parallel_block else 2) * h
 
 
 def flops_per_token(model_args: ModelArgs, seq_len: int, num_params: int | None = None) -> float:

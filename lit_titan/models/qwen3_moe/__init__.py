@@ -7,7 +7,15 @@ names the family.
 from types import MappingProxyType
 
 from lit_titan.models.qwen3_moe import hf
-from lit_titan.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs, count_params, flops_per_token, get_flavor
+from lit_titan.models.qwen3_moe import parallelize as _parallelize  # noqa: E402,F401,I001  (registers the ParallelPlan)
+from lit_titan.models.qwen3_moe.args import (
+    FLAVORS,
+    Qwen3MoEArgs,
+    count_params,
+    flops_per_token,
+    get_flavor,
+    layer_numel,
+)
 from lit_titan.models.qwen3_moe.model import Qwen3MoE
 
 SPEC = MappingProxyType(
@@ -23,4 +31,14 @@ SPEC = MappingProxyType(
     }
 )
 
-__all__ = ["FLAVORS", "SPEC", "Qwen3MoE", "Qwen3MoEArgs", "count_params", "flops_per_token", "get_flavor", "hf"]
+__all__ = [
+    "FLAVORS",
+    "SPEC",
+    "Qwen3MoE",
+    "Qwen3MoEArgs",
+    "count_params",
+    "flops_per_token",
+    "get_flavor",
+    "hf",
+    "layer_numel",
+]

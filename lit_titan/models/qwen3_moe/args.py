@@ -2,29 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lit_titan.models.moe import MoEArgs
+from lit_titan.settings import setting
 
 
 @dataclass(frozen=True)
 class Qwen3MoEArgs:
-    dim: int = 2048
-    n_layers: int = 48
-    n_heads: int = 32
-    n_kv_heads: int = 4
-    head_dim: int = 128  # Qwen3 sets it apart from dim // n_heads
-    vocab_size: int = 151936
-    ffn_dim: int = 6144  # width of the dense layers (mlp_only_layers / decoder_sparse_step), HF intermediate_size
-    moe: MoEArgs = field(default_factory=MoEArgs)
-    norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_seq_len: int = 40960
-    tie_embeddings: bool = False
-    decoder_sparse_step: int = 1  # every K-th layer is MoE (index K-1, 2K-1, ...)
-    mlp_only_layers: tuple[int, ...] = ()  # these layers stay dense
-    attention: str = "sdpa"
+    # setting(): each field is also a config key, model.<name> (config/schema.py builds the schema from it)
+    dim: int = setting(2048, ge=1)
+    n_layers: int = setting(48, ge=1)
+    n_heads: int = setting(32, ge=1)
+    n_kv_heads: int = setting(4, ge=1)
+    head_dim: int = setting(128, ge=2)  # Qwen3 sets it apart from dim // n_heads
+    vocab_size: int = setting(151936, ge=1)
+    # width of the dense layers (mlp_only_layers / decoder_sparse_step), HF intermediate_size
+    ffn_dim: int = setting(6144, ge=1)
+    moe: MoEArgs = setting(lambda: MoEArgs())
+    norm_eps: float = setting(1e-6, gt=0)
+    rope_theta: float = setting(1_000_000.0, gt=0)
+    max_seq_len: int = setting(40960, ge=1)
+    tie_embeddings: bool = setting(False)
+    decoder_sparse_step: int = setting(1, ge=1)  # every K-th layer is MoE (index K-1, 2K-1, ...)
+    mlp_only_layers: tuple[int, ...] = setting(())  # these layers stay dense
+    attention: str = setting("sdpa", choices=("sdpa", "flex"))
 
     @property
     def kv_heads(self) -> int:
@@ -34,12 +37,20 @@ class Qwen3MoEArgs:
         """HF's rule (``Qwen3MoeDecoderLayer``)."""
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The SwiGLU width a token's activations see, averaged over layers (the planner's activation and
+        Float8 terms): ffn_dim on a dense layer, top_k experts' plus the shared ones' on an MoE layer."""
+        m = self.moe
+        moe = m.hidden_dim * (m.top_k + m.num_shared_experts)
+        return round(sum(moe if self.is_moe(i) else self.ffn_dim for i in range(self.n_layers)) / self.n_layers)
+
     def window_of(self, layer: int) -> None:
         return None
 
     def with_overrides(self, **overrides: Any) -> Qwen3MoEArgs:
-        if isinstance(overrides.get("moe"), dict):
-            overrides["moe"] = replace(self.moe, **overrides["moe"])
+        if isinstance(overrides.get("moe"), dict):  # a null sub-key keeps the flavor's value
+            overrides["moe"] = replace(self.moe, **{k: v for k, v in overrides["moe"].items() if v is not None})
         if "mlp_only_layers" in overrides:
             overrides["mlp_only_layers"] = tuple(overrides["mlp_only_layers"])
         unknown = set(overrides) - set(asdict(self))
@@ -129,6 +140,18 @@ def _ffn_params(a: Qwen3MoEArgs, layer: int, active: bool) -> int:
     return a.dim * m.num_experts + 3 * a.dim * m.hidden_dim * experts + shared  # router + experts
 
 
+def layer_numel(a: Qwen3MoEArgs, layer: int) -> tuple[int, int]:
+    """(elements TP shards, elements TP keeps whole) of block ``layer`` under the family's plan
+    (parallelize.py): q/k/v/o and a dense layer's SwiGLU are TP-sharded; the norms, q/k norms and the
+    whole MoE layer (router, experts, shared experts) are replicated over tp."""
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    attention = a.dim * (q + 2 * kv) + q * a.dim
+    norms = 2 * a.dim + 2 * a.head_dim
+    if a.is_moe(layer):
+        return attention, norms + _ffn_params(a, layer, active=False)
+    return attention + 3 * a.dim * a.ffn_dim, norms
+
+
 def count_params(a: Qwen3MoEArgs, active: bool = False) -> int:
     """All parameters (``active=False``) or those one token uses: the router, top_k experts, shared ones."""
     blocks = sum(_attention_params(a) + _ffn_params(a, i, active) + 2 * a.dim for i in range(a.n_layers))
@@ -136,11 +159,12 @@ def count_params(a: Qwen3MoEArgs, active: bool = False) -> int:
     return blocks + a.vocab_size * a.dim + head + a.dim
 
 
-def flops_per_token(a: Qwen3MoEArgs, seq_len: int) -> float:
+def flops_per_token(a: Qwen3MoEArgs, seq_len: int, num_params: int | None = None) -> float:
     """Training model FLOPs per token on ACTIVE parameters (the PaLM convention the dense count uses).
 
     ``6 * (active params - embedding) + 12 * n_heads * head_dim * seq_len * n_layers``: a token
-    touches top_k experts, not all of them, so MFU counts what it computes.
+    touches top_k experts, not all of them, so MFU counts what it computes. ``num_params`` (a built
+    model's whole count, the registry's generic signature) is ignored: it counts every expert.
     """
     attention = 12 * a.n_heads * a.head_dim * seq_len * a.n_layers
     return float(6 * (count_params(a, active=True) - a.vocab_size * a.dim) + attention)

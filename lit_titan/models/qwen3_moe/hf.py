@@ -141,3 +141,112 @@ def save_hf(
     (out / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in to_hf_state_dict(state_dict, args).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ---- the registry's HFAdapter (models/registry.py): init_from_hf and `lit-titan export` ------------------
+def check_hf_expressible(args: Qwen3MoEArgs, where: str) -> None:
+    """Refuse options Hugging Face's Qwen3-MoE cannot hold (shared experts, sigmoid scores, ...)."""
+    try:
+        hf_config(args)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def _hf_name(name: str) -> str:
+    """Our canonical parameter name -> its HF name (experts: the stacked name, split by the callers)."""
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name]
+    _, layer, rest = name.split(".", 2)
+    return f"model.layers.{layer}.{_PER_LAYER[rest]}"
+
+
+def param_shapes(args: Qwen3MoEArgs) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for a model of ``args`` (computed on the meta device)."""
+    from lit_titan.models.qwen3_moe.model import Qwen3MoE
+
+    with torch.device("meta"):
+        model = Qwen3MoE(args)
+    return {k: tuple(v.shape) for k, v in to_hf_state_dict(dict(model.named_parameters()), args).items()}
+
+
+def check_hf_dir(path: str, args: Qwen3MoEArgs) -> None:
+    """Refuse a HF directory that is missing or does not match ``args``, before any process starts."""
+    from lit_titan.errors import ConfigError
+    from lit_titan.models import hf_io
+
+    where = f"model.init_from_hf={path}"
+    check_hf_expressible(args, where)
+    root = Path(path).expanduser()
+    hint = "point it at a Hugging Face Qwen3-MoE directory (config.json + *.safetensors)"
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{where} has no config.json; {hint}")
+    config = hf_io.read_config(root)
+    ours = hf_config(args)
+    keys = {
+        "hidden_size": "dim",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "num_key_value_heads": "n_kv_heads",
+        "head_dim": "head_dim",
+        "vocab_size": "vocab_size",
+        "intermediate_size": "ffn_dim",
+        "moe_intermediate_size": "moe.hidden_dim",
+        "num_experts": "moe.num_experts",
+        "num_experts_per_tok": "moe.top_k",
+        "decoder_sparse_step": "decoder_sparse_step",
+    }
+    wrong = [f"model.{k}={config[hf]}" for hf, k in keys.items() if hf in config and config[hf] != ours[hf]]
+    if wrong:
+        raise ConfigError(f"{where} does not match the chosen model: set {' '.join(wrong)}")
+    files = hf_io.check_weight_files(root, where, hint)
+    shapes = param_shapes(args)
+    absent = [n for n in shapes if n not in files]
+    if absent:
+        raise FileNotFoundError(f"{where} lacks tensors {absent[:4]}; {hint}")
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, path: str) -> None:
+    """Copy a HF Qwen3-MoE directory into ``model`` (plain or FSDP DTensors): each rank reads only its block;
+    a stacked expert weight is assembled from the per-expert tensors of the experts its shard holds."""
+    from safetensors import safe_open
+
+    from lit_titan.models import hf_io
+
+    files = hf_io.weight_files(Path(path).expanduser())
+    opened: dict[Path, Any] = {}
+
+    def stored(hf_name: str) -> Any:
+        if hf_name not in files:
+            raise KeyError(f"{path} lacks tensor {hf_name}")
+        if files[hf_name] not in opened:
+            opened[files[hf_name]] = safe_open(str(files[hf_name]), framework="pt")
+        return opened[files[hf_name]].get_slice(hf_name)
+
+    for name, param in model.named_parameters():
+        canon = canonical_name(name)
+        _, _, rest = canon.partition(".")
+        rest = rest.partition(".")[2]
+        if rest in _EXPERTS:
+            layer = canon.split(".")[1]
+            local = param.to_local() if hasattr(param, "to_local") else param
+            offsets, sizes = hf_io.local_region(param)
+            if local.numel():
+                blocks = [
+                    hf_io.read_block(
+                        stored(f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[rest]}.weight"), offsets[1:], sizes[1:]
+                    )
+                    for e in range(offsets[0], offsets[0] + sizes[0])
+                ]
+                local.copy_(torch.stack(blocks))
+            continue
+        hf_name = _hf_name(canon)
+        if hf_name == "lm_head.weight" and hf_name not in files:  # tied on the Hub: the embedding
+            hf_name = "model.embed_tokens.weight"
+        hf_io.copy_local_into(param, stored(hf_name), name)
+
+
+def iter_hf_tensors(state_dict: dict[str, Tensor], args: Qwen3MoEArgs, dtype: torch.dtype) -> Any:
+    """(HF name, contiguous tensor in ``dtype``) for each of our full parameters (experts split)."""
+    for hf_name, tensor in to_hf_state_dict(state_dict, args).items():
+        yield hf_name, tensor.detach().to(dtype).contiguous()

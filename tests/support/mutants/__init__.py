@@ -400,3 +400,70 @@ def _muon_shardwise(p: _Patcher) -> None:
 
 
 from mutants import context_parallel as _context_parallel  # noqa: E402,F401  (registers the CP-mode mutants)
+
+
+# ---- MoE (the Qwen3-MoE family; tests/parity/test_moe_parity.py's regime) ---------------------------------
+@mutant(
+    "moe_router_grad_not_reduced_over_tp",
+    "the MoE output goes back to the sequence slice without gathering its gradient: each tp rank's router "
+    "and expert gradients hold only its own tokens' share (partial) and are never reduced over tp",
+    "models/qwen3_moe/parallelize.py: shard_output",
+)
+def _moe_router_partial_tp(p: _Patcher) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lit_titan.models.qwen3_moe import parallelize
+
+    def shard_output(module, output, mesh):
+        local = output.chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
+        return DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
+
+    p.set(parallelize, "shard_output", shard_output)
+
+
+@mutant(
+    "moe_capacity_drops_tokens",
+    "a capacity limit (factor 1.0, per rank) drops the assignments past an expert's capacity",
+    "models/moe.py: Router.forward",
+)
+def _moe_capacity(p: _Patcher) -> None:
+    import math
+
+    import torch
+
+    from lit_titan.models import moe
+
+    original = moe.Router.forward
+
+    def forward(self, x, expert_bias=None):
+        scores, weights, indices = original(self, x, expert_bias)
+        capacity = math.ceil(indices.numel() / self.args.num_experts)
+        flat = indices.reshape(-1)
+        onehot = torch.nn.functional.one_hot(flat, self.args.num_experts)
+        position = (onehot.cumsum(0) * onehot).sum(-1)  # 1-based place of each assignment in its expert's queue
+        keep = (position <= capacity).reshape(indices.shape).to(weights.dtype)
+        return scores, weights * keep, indices
+
+    p.set(moe.Router, "forward", forward)
+
+
+@mutant(
+    "moe_topk_ties_rank_dependent",
+    "top-k breaks ties between equal scores in an order that depends on the rank (as topk may per device)",
+    "models/moe.py: stable_topk",
+)
+def _moe_ties(p: _Patcher) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lit_titan.models import moe
+
+    original = moe.stable_topk
+
+    def stable_topk(scores, k):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            return original(scores, k)
+        flipped = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+        return scores.shape[-1] - 1 - flipped  # ties go to the highest index
+
+    p.set(moe, "stable_topk", stable_topk)

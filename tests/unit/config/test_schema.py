@@ -20,8 +20,8 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.config import ConfigError, compose, conf_dir, validate
-from lit_titan.config.schema import TARGET_SCHEMAS, TrainSchema
-from lit_titan.config.schema_check import field_types, is_union, rule_problem
+from lit_titan.config.schema import TARGET_SCHEMAS
+from lit_titan.config.schema_check import field_types, is_union, rule_problem, schema_for
 from paths import ROOT
 
 GROUPS = ("model", "data", "optim", "cluster", "parallel", "callbacks", "logger", "profiler")
@@ -54,7 +54,7 @@ def composed(option: str | None) -> DictConfig:
 def schema_leaves(cfg: DictConfig) -> dict[str, Any]:
     """Every leaf key of ``cfg`` with its schema type (None: no schema line); schema leaves (lists, mappings
     such as model.rope_scaling) are not descended into."""
-    types = field_types(TrainSchema)
+    types = field_types(schema_of(cfg))
     out: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str, types: dict[str, Any]) -> None:
@@ -74,6 +74,11 @@ def schema_leaves(cfg: DictConfig) -> dict[str, Any]:
     data = OmegaConf.to_container(cfg, resolve=False)
     walk(data, "", types)
     return out
+
+
+def schema_of(cfg: DictConfig) -> type:
+    """The job schema with the model group of ``cfg``'s family (``model.*`` keys are the family's)."""
+    return schema_for(OmegaConf.to_container(cfg, resolve=False))
 
 
 def bad_values(kind: Any, rule: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -105,7 +110,7 @@ def _rule(path: str, value_cfg: DictConfig) -> dict[str, Any]:
     import dataclasses
 
     parts = path.split(".")
-    schema: Any = TrainSchema
+    schema: Any = schema_of(value_cfg)
     node: Any = OmegaConf.to_container(value_cfg, resolve=False)
     for i, part in enumerate(parts):
         if isinstance(node, dict) and "_target_" in node and node["_target_"] in TARGET_SCHEMAS and i > 0:
@@ -145,7 +150,7 @@ def test_every_leaf_key_refuses_a_bad_value_in_one_line(option):
     cfg = composed(option)
     leaves = schema_leaves(cfg)
     if option is None:  # keys no yaml of ours sets (cluster.partition, ...) are fuzzed too
-        leaves = {**field_types(TrainSchema), **leaves}
+        leaves = {**field_types(schema_of(cfg)), **leaves}
     keys = own_keys(option, leaves)
     assert keys, f"{option}: no keys found"
     failures, cases = [], 0

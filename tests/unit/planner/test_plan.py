@@ -230,6 +230,8 @@ DEBUG_LAYOUTS = [
     dict(pp=1, dp_shard=2, cp=2, tp=2),
     dict(pp=1, dp_replicate=2, dp_shard=2, tp=2),
     dict(pp=2, dp_shard=4, pp_schedule="1F1B"),
+    # the MoE family (its layer counts and its plan: the MoE layer replicated over tp); layer 1 dense
+    dict(model="qwen3_moe_debug", dp_shard=4, tp=2),
 ]
 
 
@@ -241,8 +243,11 @@ def test_analytic_layout_matches_the_meta_build(layout):
     from lit_titan.planner.analytic import analytic_layout
     from lit_titan.planner.build import build_layout
 
+    layout = dict(layout)
+    model = [f"model={layout.pop('model')}", "model.mlp_only_layers=[1]"] if "model" in layout else []
     cfg = compose(
         [
+            *model,
             "cluster.devices=8",
             "data.seq_len=64",
             "data.global_batch_size=16",

@@ -1,0 +1,104 @@
+"""Parallel layout of the Qwen3-MoE family: Llama's top level and attention, plus q/k norms and the MoE layer.
+
+Tensor parallel (with sequence parallel, as Llama): attention is Llama's (q/k/v column-wise, o row-wise);
+the per-head q/k RMSNorms see only this rank's heads, so their weights are replicated DTensors over a
+head-sharded input (``SequenceParallel(sequence_dim=2)``), which reduces their partial gradients.
+
+The MoE layer is replicated over tp, by choice: its input is all-gathered to the whole sequence, every tp
+rank routes and computes all tokens, and the output goes back to this rank's sequence slice (an all-gather
+in backward). So every tp rank holds the full gradient of the router, experts and shared experts (nothing
+is partial and nothing needs a reduction over tp), and the balancing statistics (auxiliary losses, token
+counts for the expert bias) are those of whole sequences on every rank, as in one process. The cost is tp
+times the expert FLOPs; at scale experts are split by expert parallel instead (``parallel.ep``), which
+is where their FLOPs belong. TP-sharding each expert's hidden width would leave the router's gradient
+partial over tp (the output is a partial sum), the bug this layout rules out.
+
+Not planned yet, so the config refuses them in one line: pipeline parallel (no ``pipeline_units``: the
+auxiliary loss is made on the last stage from every MoE layer's statistics, which would have to travel
+between stages) and context parallel (no ``attention_cores``: the sequence-wise auxiliary loss needs whole
+sequences, and no parity case covers it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lit_titan.models.llama3.parallelize import blocks, fsdp_units, tp_root
+from lit_titan.models.llama3.parallelize import tp_block as llama_tp_block
+from lit_titan.models.qwen3_moe.model import Qwen3MoE
+from lit_titan.strategies.parallel_plan import ParallelPlan
+
+
+def replicated_moe_style() -> Any:
+    """The MoE layer replicated over tp (the module docstring says why), written by hand: no torch style
+    replicates a module's weights while it runs on plain tensors. Its weights become Replicate DTensors (so
+    FSDP, the grad norm and checkpoints see one mesh with the rest of the block); its input is gathered to
+    the whole sequence; while it runs its weights are their local tensors (``to_local`` is differentiable:
+    each rank's full gradient lands on the DTensor as a replicated one); its output goes back to Shard(1)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def replicate_params(name: str, module: nn.Module, mesh: Any) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dt = distribute_tensor(param, mesh, [Replicate()])
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    def gather_input(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return (x.redistribute(placements=[Replicate()]).to_local(), *inputs[1:])
+
+    def local_weights(module: nn.Module, inputs: tuple) -> None:
+        swapped = []
+        for sub in module.modules():
+            for pname, param in list(sub._parameters.items()):
+                if isinstance(param, DTensor):
+                    swapped.append((sub, pname, param))
+                    sub._parameters[pname] = param.to_local()
+        module._replicated_params = swapped
+
+    def restore_weights(module: nn.Module, inputs: tuple, output: Any) -> None:
+        for sub, pname, param in getattr(module, "_replicated_params", ()):
+            sub._parameters[pname] = param
+        module._replicated_params = []
+
+    class ReplicatedMoE(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            distribute_module(module, device_mesh, replicate_params, gather_input, shard_output)
+            module.register_forward_pre_hook(local_weights)
+            module.register_forward_hook(restore_weights)
+            return module
+
+    return ReplicatedMoE()
+
+
+def shard_output(module: nn.Module, output: Any, mesh: Any) -> Any:
+    """The replicated MoE output -> this rank's sequence slice; backward all-gathers the slices' gradients,
+    so every tp rank's router and experts get every token's gradient (nothing partial to reduce)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(output, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+
+
+def tp_block(block: nn.Module) -> dict:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    plan = llama_tp_block(block)
+    plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if block.moe is not None:
+        for name in [k for k in plan if k.startswith("feed_forward")]:
+            del plan[name]
+        plan["moe"] = replicated_moe_style()
+    return plan
+
+
+QWEN3_MOE_PLAN = ParallelPlan(
+    tp_root=tp_root,
+    tp_block=tp_block,
+    blocks=blocks,
+    fsdp_units=fsdp_units,
+)
