@@ -27,7 +27,6 @@ from torch import nn
 
 from lit_titan.models.llama3.parallelize import blocks, fsdp_units, tp_root
 from lit_titan.models.llama3.parallelize import tp_block as llama_tp_block
-from lit_titan.models.qwen3_moe.model import Qwen3MoE
 from lit_titan.strategies.parallel_plan import ParallelPlan
 
 
