@@ -234,8 +234,8 @@ def test_a_users_own_target_is_checked_against_its_signature():
 def test_each_group_of_ours_is_its_components_settings():
     """Each key declared once: a group, or a callback node of ours, is the very dataclass its component
     takes (from the torch-free settings module beside it), with its choices and ranges; no copy in
-    schema.py to keep equal. Declared in schema.py: the job's top-level keys, the model group and the
-    keys of Lightning's loggers and profilers."""
+    schema.py to keep equal. Declared in schema.py: the job's top-level keys and the keys of Lightning's
+    loggers and profilers; the model group is built from the family's arguments dataclass (model_schema)."""
     import dataclasses
     import importlib
     import inspect
@@ -245,8 +245,9 @@ def test_each_group_of_ours_is_its_components_settings():
     hints = typing.get_type_hints(schema.TrainSchema)
     groups = {name: kind for name, kind in hints.items() if dataclasses.is_dataclass(kind)}
     in_schema = sorted(name for name, kind in groups.items() if kind.__module__ == schema.__name__)
-    assert in_schema == ["model"], f"groups declared in schema.py instead of beside their component: {in_schema}"
-    assert all(kind.__module__.endswith(".settings") for kind in groups.values() if kind is not schema.ModelSchema)
+    assert in_schema == [], f"groups declared in schema.py instead of beside their component: {in_schema}"
+    assert all(kind.__module__.endswith(".settings") for kind in groups.values())
+    assert "model" not in groups and schema.train_schema("llama3_debug").__dataclass_fields__["model"].type
     callbacks = {t: kind for t, kind in TARGET_SCHEMAS.items() if t.startswith("lit_titan.callbacks.")}
     assert len(callbacks) == 8
     for target, kind in callbacks.items():
