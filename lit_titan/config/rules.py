@@ -171,6 +171,12 @@ def degrees_fit_model(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> N
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=int(cfg.data.seq_len))
 
 
+def experts_fit_ep(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    from lit_titan.models.registry import num_experts
+
+    dims.validate_experts(num_experts(args))
+
+
 def document_masking(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     if cfg.data.get("document_masking") and dims.cp > 1:
         raise ConfigError(
@@ -244,6 +250,7 @@ LAYOUT_RULES = (
     tied_embeddings_without_pipeline,
     grad_reduce_scatter,
     degrees_fit_model,
+    experts_fit_ep,
     document_masking,
     attention_backend,
     pipeline_validation,

@@ -148,6 +148,12 @@ def flops_per_token(args: Any, seq_len: int, num_params: int | None = None) -> f
     return spec_of(args).flops_per_token(args, seq_len, num_params)
 
 
+def num_experts(args: Any) -> int | None:
+    """Routed experts per MoE layer (what ``parallel.ep`` splits), None for a dense model."""
+    moe = getattr(args, "moe", None)
+    return getattr(moe, "num_experts", None)
+
+
 def hf_adapter(args: Any, where: str) -> HFAdapter:
     """The family's Hugging Face adapter; ValueError when the family has none."""
     spec = spec_of(args)

@@ -15,19 +15,26 @@ def total_grad_norm(
 ) -> Tensor:
     """The L2 norm of all gradients of the whole model, identical on every rank.
 
-    Sharded (DTensor) gradients reduce over their own mesh through ``full_tensor``; pipeline
-    stages hold disjoint parameters, so their squared norms are summed over ``pp_group``.
+    Sharded (DTensor) gradients reduce over their own mesh through ``full_tensor``, one norm per
+    mesh (expert parallel puts the experts on a mesh of their own, and DTensor ops do not cross
+    meshes), combined here; pipeline stages hold disjoint parameters, so their squared norms are
+    summed over ``pp_group``.
     """
     from torch.distributed.tensor import DTensor
 
     params = list(params)
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:  # on the parameters' device: NCCL refuses CPU tensors in the pp all-reduce below
+    by_mesh: dict[object, list[Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    if not by_mesh:  # on the parameters' device: NCCL refuses CPU tensors in the pp all-reduce below
         norm = torch.zeros((), device=params[0].device if params else None)
     else:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        parts = []
+        for grads in by_mesh.values():
+            part = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+            parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
+        norm = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), norm_type)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         norm = norm**norm_type
         dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
