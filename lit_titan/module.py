@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lit_titan.models import registry
 from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
+from lit_titan.models.moe import update_expert_bias
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.phases import PhaseClock, phase
 from lit_titan.optim.build import OptimConfig, build_optimizer, build_scheduler
@@ -62,6 +63,7 @@ class PretrainModule(L.LightningModule):
         self.init_from_hf = init_from_hf
         self.model: nn.Module | None = None
         self._step_loss = torch.zeros(())
+        self._step_aux_loss: Tensor | None = None
         self._micro_batches = 0
         self._tokens_per_step = 0
         self._last_grad_norm: Tensor | None = None
@@ -138,12 +140,15 @@ class PretrainModule(L.LightningModule):
     def loss_in_model(self) -> bool:
         """True when the model's head computes the (chunked) loss from labels itself.
 
-        That is when chunking is on (``loss.chunk_tokens``), the model has such a head and the
-        loss is the default one: a subclass overriding ``compute_loss`` gets full logits.
+        That is when chunking is on (``loss.chunk_tokens``) or the model adds loss terms of its own (an
+        MoE family's auxiliary loss), the model has such a head and the loss is the default one: a
+        subclass overriding ``compute_loss`` gets full logits (and no auxiliary loss).
         """
         head = getattr(self.model, "output", None) if self.model is not None else None
+        # a model that adds its own loss terms where the loss is made (MoE: the router's balancing loss)
+        adds_terms = hasattr(self.model, "last_aux_loss")
         return (
-            self.loss_chunk_tokens > 0
+            (self.loss_chunk_tokens > 0 or adds_terms)
             and type(self).compute_loss is PretrainModule.compute_loss
             and hasattr(head, "chunk_tokens")
         )
@@ -181,6 +186,11 @@ class PretrainModule(L.LightningModule):
         # Starts from the first micro-batch's loss, on its device: no host-made zero to copy over.
         loss = _plain(loss.detach()).float()
         self._step_loss = loss if self._micro_batches == 0 else self._step_loss + loss
+        aux = getattr(self.model, "last_aux_loss", None)  # an MoE family's balancing loss, inside ``loss``
+        if aux is not None:
+            aux = _plain(aux).float()
+            first = self._micro_batches == 0 or self._step_aux_loss is None
+            self._step_aux_loss = aux if first else self._step_aux_loss + aux
         self._micro_batches += 1
         self._tokens_per_step_accumulate(inputs)
 
@@ -206,12 +216,19 @@ class PretrainModule(L.LightningModule):
         if is_logging_step(self.trainer, self.global_step + 1):
             step_loss = self._step_loss / max(self._micro_batches, 1)
             self.log("train/loss", step_loss, sync_dist=True, prog_bar=True, on_step=True, on_epoch=False)
+            if self._step_aux_loss is not None:
+                aux = self._step_aux_loss / max(self._micro_batches, 1)
+                self.log("train/aux_loss", aux, sync_dist=True, on_step=True, on_epoch=False)
             self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
             self.log("train/grad_norm", self._last_grad_norm, on_step=True, on_epoch=False)
             self.log(
                 "train/tokens_seen", float((self.global_step + 1) * self._tokens_per_step), on_step=True, on_epoch=False
             )
         self._micro_batches = 0  # the next record_train_loss starts a new sum
+        # MoE aux-loss-free balancing: the step's forwards are all done, so its token counts are complete
+        # (the bias only steers the next forwards' selection: before or after optimizer.step is the same);
+        # summed over the ranks sharing the global batch, so every rank moves the bias alike.
+        update_expert_bias(self.model, self.strategy_contract.batch_group)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         # Lightning zeroes gradients between training_step and backward; under pipeline

@@ -26,12 +26,32 @@ _MODEL_KEYS = (
     "multiple_of",
     "ffn_dim_multiplier",
     "tie_embeddings",
+    # other families' shape keys (a family lacks the keys it does not have)
+    "head_dim",
+    "ffn_dim",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "moe.num_experts",
+    "moe.hidden_dim",
+    "moe.num_shared_experts",
 )
+
+
+def _get(args: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not hasattr(args, part):
+            return _ABSENT
+        args = getattr(args, part)
+    return list(args) if isinstance(args, tuple) else args  # plain values: meta.pt loads weights_only
+
+
+_ABSENT = object()
 
 
 def fingerprint(args: Any, seq_len: int) -> dict[str, Any]:
     """Config key -> value, for the keys a resumed run must share (``args``: the resolved ModelArgs)."""
-    out: dict[str, Any] = {f"model.{k}": getattr(args, k) for k in _MODEL_KEYS}
+    values = {k: _get(args, k) for k in _MODEL_KEYS}
+    out: dict[str, Any] = {f"model.{k}": v for k, v in values.items() if v is not _ABSENT}
     out["model.n_kv_heads"] = args.kv_heads  # None means n_heads: compare what the model is built with
     out["data.seq_len"] = int(seq_len)
     return out

@@ -5,9 +5,10 @@ config (a dataclass) to merge into; ``lit_titan.config.schema_check`` merges the
 ``TrainSchema`` (OmegaConf does the type checks) and then checks each field's ``key(...)`` rule
 (ranges, choices). So **adding a config key is one line here**, in the dataclass of its group::
 
-    sliding_window: Optional[int] = key(ge=1)          # in ModelSchema, for conf/model/*.yaml's model.sliding_window
+    max_restarts: int | None = key(ge=0)          # in ClusterSchema, for conf/cluster/*.yaml's cluster.max_restarts
 
-and a yaml key without such a line is refused by name (``tests/unit/config/test_schema.py`` composes every option of
+(a ``model.*`` key is one ``setting()`` on its family's arguments dataclass, ``models/<family>/args.py``:
+``model_schema`` builds the model group from it) and a yaml key without such a line is refused by name (``tests/unit/config/test_schema.py`` composes every option of
 every group, so a new yaml key with no schema line fails the suite). ``_target_`` nodes (callbacks,
 loggers, profiler) are looked up by their ``_target_`` in ``TARGET_SCHEMAS``; a user's own class is
 checked by its constructor's signature instead.
@@ -18,6 +19,10 @@ allowed (a group option that leaves a key out is fine).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,27 +95,56 @@ def _path_like(value: Any) -> str | None:
 
 
 # ---- groups ---------------------------------------------------------------------------------------------
-@dataclass
-class ModelSchema:  # conf/model/*.yaml
-    name: str = key(check=_non_empty_str)
-    vocab_size: int = key(ge=1)
-    dim: int | None = key(ge=1)
-    n_layers: int | None = key(ge=1)
-    n_heads: int | None = key(ge=1)
-    n_kv_heads: int | None = key(ge=1)
-    ffn_dim_multiplier: float | None = key(gt=0)
-    multiple_of: int | None = key(ge=1)
-    max_seq_len: int | None = key(ge=1)
-    norm_eps: float | None = key(gt=0)
-    rope_theta: float | None = key(gt=0)
-    rope_scaling: dict[str, float] | None = key()
-    tie_embeddings: bool | None = key()
-    attention: str | None = key(choices=ATTENTIONS)
-    init_from_hf: str | None = key()
-    # architecture variants (conf/model/*.yaml):
-    parallel_block: bool | None = key()
-    sliding_window: int | None = key(ge=1)
-    window_pattern: int | None = key(ge=1)
+# The model group (conf/model/*.yaml) has no class here: each family's arguments dataclass declares its
+# keys with setting() (models/<family>/args.py), and model_schema() turns it into the group's schema;
+# train_schema() picks the family by the flavor (model.name).
+def _schema_type(kind: Any) -> Any:
+    """A family argument's type as a config key: null allowed (null keeps the flavor's value)."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    base = args[0] if is_optional(kind) and len(args) == 1 else kind
+    if dataclasses.is_dataclass(base):
+        # a switchable sub-structure (rope_scaling: null turns it off) is a mapping; a fixed one a group
+        return dict[str, Any] | None if base is not kind else model_schema(base, top=False)
+    if typing.get_origin(base) is tuple:
+        return list[typing.get_args(base)[0]] | None
+    return base | None
+
+
+def is_optional(kind: Any) -> bool:
+    return typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind)
+
+
+@functools.cache
+def model_schema(args_cls: type, top: bool = True) -> type:
+    """The schema of a family's arguments dataclass: each field a key with its ``setting()`` rule.
+
+    ``top``: the model group itself, which also has ``name`` (the flavor) and ``init_from_hf``."""
+    hints = typing.get_type_hints(args_cls)
+    specs: list[tuple[str, Any, Any]] = [("name", str, key(check=_non_empty_str))] if top else []
+    for f in dataclasses.fields(args_cls):
+        specs.append((f.name, _schema_type(hints[f.name]), key(**f.metadata.get("rule", {}))))
+    if top:
+        specs.append(("init_from_hf", str | None, key()))
+    return dataclasses.make_dataclass(f"{args_cls.__name__}Schema", specs)
+
+
+@functools.cache
+def train_schema(model_name: str | None) -> type:
+    """``TrainSchema`` with its model group typed by the family of ``model_name`` (None or unknown: untyped,
+    the flavor is refused by name later)."""
+    if not model_name:
+        return TrainSchema
+    from lit_titan.models.registry import args_class  # the family's arguments (imports the family)
+
+    cls = args_class(model_name)
+    if cls is None:
+        return TrainSchema
+    group = model_schema(cls)
+    return dataclasses.make_dataclass(
+        f"TrainSchema_{group.__name__}",
+        [("model", group, field(default_factory=group))],
+        bases=(TrainSchema,),
+    )
 
 
 @dataclass
@@ -205,7 +239,7 @@ class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydr
     precision: str = key(choices=PRECISIONS)
     tf32: bool = key()
     resume: str | None = key(check=_non_empty_str)
-    model: ModelSchema = field(default_factory=ModelSchema)
+    model: dict[str, Any] = key()  # typed per family: train_schema()
     data: DataConfig = field(default_factory=DataConfig)  # what PretrainDataModule is built from
     optim: OptimConfig = field(default_factory=OptimConfig)  # what optim/build.py builds from
     cluster: ClusterSchema = field(default_factory=ClusterSchema)
@@ -347,4 +381,4 @@ TARGET_SCHEMAS: dict[str, type] = {
     "lightning.pytorch.profilers.PyTorchProfiler": LightningProfilerSchema,
 }
 
-__all__ = ["TrainSchema", "TARGET_SCHEMAS", "key"]
+__all__ = ["TrainSchema", "TARGET_SCHEMAS", "key", "model_schema", "train_schema"]

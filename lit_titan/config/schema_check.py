@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
-from lit_titan.config.schema import TARGET_SCHEMAS, TrainSchema
+from lit_titan.config.schema import TARGET_SCHEMAS, TrainSchema, train_schema
 from lit_titan.errors import ConfigError, one_line
 
 TARGET_GROUPS = ("logger", "callbacks")
@@ -33,18 +33,26 @@ def check_schema(cfg: DictConfig) -> None:
     # First as written (interpolations unresolved), so a bad value is named where it was set and not
     # where it is used (trainer.max_steps=abc, not optim.total_steps); then resolved.
     written = OmegaConf.to_container(job, resolve=False)
-    check_groups(TrainSchema, written, "")
-    _merge(TrainSchema, written, "")
-    check_rules(TrainSchema, written, "")
+    schema = schema_for(written)
+    check_groups(schema, written, "")
+    _merge(schema, written, "")
+    check_rules(schema, written, "")
     data = resolved(cfg)
-    _merge(TrainSchema, data, "")
-    check_rules(TrainSchema, data, "")
+    _merge(schema, data, "")
+    check_rules(schema, data, "")
     for group in TARGET_GROUPS:
         nodes = data.get(group) or {}
         for name, node in nodes.items():
             check_target_node(node, f"{group}.{name}")
     if data.get("profiler") is not None:
         check_target_node(data["profiler"], "profiler")
+
+
+def schema_for(data: dict[str, Any]) -> type:
+    """The job schema whose model group is the family of ``data``'s flavor (``model.name``)."""
+    model = data.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    return train_schema(name if isinstance(name, str) and not _is_interpolation(name) else None)
 
 
 def resolved(cfg: DictConfig) -> dict[str, Any]:
@@ -337,6 +345,7 @@ def _num(bound: float) -> str:
 
 __all__ = [
     "check_schema",
+    "schema_for",
     "check_groups",
     "check_rules",
     "check_target_node",

@@ -103,11 +103,9 @@ def model_overrides(cfg: DictConfig) -> dict[str, Any]:
     from lit_titan.models.registry import spec_for
 
     spec = spec_for(cfg.model.name)
-    out = {k: cfg.model[k] for k in spec.arg_keys if k not in spec.nullable_keys and cfg.model.get(k) is not None}
-    for k in spec.nullable_keys:
-        if k in cfg.model:
-            value = cfg.model[k]
-            out[k] = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    model = OmegaConf.to_container(cfg.model, resolve=True)  # plain dicts/lists (nested groups: model.moe)
+    out = {k: model[k] for k in spec.arg_keys if k not in spec.nullable_keys and model.get(k) is not None}
+    out.update({k: model[k] for k in spec.nullable_keys if k in model})
     return out
 
 

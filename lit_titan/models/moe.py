@@ -32,6 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_titan.settings import setting
+
 AUX_LOSSES = ("pooled", "global", "sequence", "none")
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERT_IMPLS = ("auto", "grouped", "loop")
@@ -39,31 +41,48 @@ EXPERT_IMPLS = ("auto", "grouped", "loop")
 
 @dataclass(frozen=True)
 class MoEArgs:
-    num_experts: int = 8
-    top_k: int = 2
-    hidden_dim: int = 64  # each expert's SwiGLU width (HF ``moe_intermediate_size``)
-    norm_topk_prob: bool = True  # renormalise the k selected scores to sum to 1
-    score_func: str = "softmax"  # softmax (Qwen) or sigmoid (DeepSeek-V3)
-    route_scale: float = 1.0  # multiplies the routing weights (DeepSeek-V3's routed_scaling_factor)
-    num_shared_experts: int = 0  # always-on experts (DeepSeek-V3), one SwiGLU of num_shared * hidden_dim
-    aux_loss: str = "pooled"
-    aux_loss_coef: float = 0.0
-    bias_update_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with this step size
-    experts_impl: str = "auto"  # auto: grouped GEMM where it works, else the loop
+    # setting(): each field is also a config key, model.moe.<name> (config/schema.py builds the schema from it)
+    num_experts: int = setting(8, ge=1)
+    top_k: int = setting(2, ge=1)  # experts per token (<= num_experts: validate)
+    hidden_dim: int = setting(64, ge=1)  # each expert's SwiGLU width (HF ``moe_intermediate_size``)
+    norm_topk_prob: bool = setting(True)  # renormalise the k selected scores to sum to 1
+    score_func: str = setting("softmax", choices=SCORE_FUNCS)  # softmax (Qwen) or sigmoid (DeepSeek-V3)
+    route_scale: float = setting(1.0, gt=0)  # multiplies the routing weights (DeepSeek-V3's routed_scaling_factor)
+    num_shared_experts: int = setting(0, ge=0)  # always-on experts (DeepSeek-V3), one SwiGLU of num_shared * hidden_dim
+    aux_loss: str = setting("pooled", choices=AUX_LOSSES)
+    aux_loss_coef: float = setting(0.0, ge=0)
+    bias_update_rate: float = setting(0.0, ge=0)  # > 0: auxiliary-loss-free balancing with this step size
+    experts_impl: str = setting("auto", choices=EXPERT_IMPLS)  # auto: grouped GEMM where it works, else the loop
 
     def validate(self) -> None:
+        """One ``key=value: what is wrong; what to do`` line per problem (the config prints it as is)."""
         if self.num_experts < 1:
-            raise ValueError(f"model.moe.num_experts={self.num_experts} must be >= 1")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"model.moe.top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
-        if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"model.moe.score_func={self.score_func!r}; choose one of {SCORE_FUNCS}")
-        if self.aux_loss not in AUX_LOSSES:
-            raise ValueError(f"model.moe.aux_loss={self.aux_loss!r}; choose one of {AUX_LOSSES}")
-        if self.experts_impl not in EXPERT_IMPLS:
-            raise ValueError(f"model.moe.experts_impl={self.experts_impl!r}; choose one of {EXPERT_IMPLS}")
+            raise ValueError(f"model.moe.num_experts={self.num_experts}: no experts; use model.moe.num_experts>=1")
+        if self.top_k < 1:
+            raise ValueError(f"model.moe.top_k={self.top_k}: a token must reach an expert; use model.moe.top_k>=1")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k}: more than model.moe.num_experts={self.num_experts} (a token "
+                f"picks top_k distinct experts); lower model.moe.top_k or raise model.moe.num_experts"
+            )
+        for key, value, choices in (
+            ("score_func", self.score_func, SCORE_FUNCS),
+            ("aux_loss", self.aux_loss, AUX_LOSSES),
+            ("experts_impl", self.experts_impl, EXPERT_IMPLS),
+        ):
+            if value not in choices:
+                raise ValueError(f"model.moe.{key}={value}: not an option; choose one of {', '.join(choices)}")
         if self.bias_update_rate < 0:
-            raise ValueError(f"model.moe.bias_update_rate={self.bias_update_rate} must be >= 0")
+            raise ValueError(
+                f"model.moe.bias_update_rate={self.bias_update_rate}: negative; use 0 (off) or a positive step size"
+            )
+        if self.norm_topk_prob and self.top_k == 1 and self.score_func == "softmax" and self.aux_loss_coef == 0:
+            # every routing weight would be exactly 1: the router gets no gradient at all and never learns
+            raise ValueError(
+                "model.moe.norm_topk_prob=true: with top_k=1, softmax scores and no auxiliary loss every "
+                "routing weight is 1 and the router never learns; set model.moe.norm_topk_prob=false, "
+                "top_k>1 or aux_loss_coef>0"
+            )
 
 
 def stable_topk(scores: Tensor, k: int) -> Tensor:

@@ -57,9 +57,12 @@ class ModelSpec:
     get_flavor: Callable[..., Any]  # (name, **overrides) -> validated args; ValueError naming the fix
     plan: ParallelPlan  # TP styles, blocks, FSDP / pipeline units (strategies/parallel_plan.py)
     hf: HFAdapter | None  # None: no Hugging Face counterpart (export and init_from_hf refuse it)
-    count_params: Callable[[Any], int]  # whole model, analytic
-    # (args, seq_len, num_params=None): training model FLOPs per token; num_params is the whole model's
-    # count when measured on a built model; a family whose FLOPs are not 6N (MoE: active) may ignore it
+    # (args, active=False): whole model, analytic; active=True: what one token computes with (MoE: the
+    # router, top_k experts and shared ones; a dense family's active count is its whole count)
+    count_params: Callable[..., int]
+    # (args, seq_len, num_params=None): training model FLOPs per token, on ACTIVE parameters; num_params
+    # is the whole model's count when measured on a built model, which a dense family uses and an MoE
+    # family ignores (a token does not touch every expert)
     flops_per_token: Callable[..., float]
     # model.* keys whose null is a value (e.g. no rotary scaling), passed even when null
     nullable_keys: tuple[str, ...] = ()
@@ -89,9 +92,28 @@ def _llama3() -> ModelSpec:
     )
 
 
+def _qwen3_moe() -> ModelSpec:
+    from lit_titan.models import qwen3_moe
+    from lit_titan.models.qwen3_moe import hf
+    from lit_titan.models.qwen3_moe.parallelize import QWEN3_MOE_PLAN
+
+    return ModelSpec(
+        name="qwen3_moe",
+        args=qwen3_moe.Qwen3MoEArgs,
+        model=qwen3_moe.Qwen3MoE,
+        flavors=qwen3_moe.FLAVORS,
+        get_flavor=qwen3_moe.get_flavor,
+        plan=QWEN3_MOE_PLAN,
+        hf=hf,
+        count_params=qwen3_moe.count_params,
+        flops_per_token=qwen3_moe.flops_per_token,
+    )
+
+
 # family name -> how to build its spec (imported on first use, so `import lit_titan.models.registry` stays light)
 FAMILIES: dict[str, Callable[[], ModelSpec]] = {
     "llama3": _llama3,
+    "qwen3_moe": _qwen3_moe,
 }
 
 _specs: dict[str, ModelSpec] = {}
@@ -119,6 +141,14 @@ def spec_for(flavor: str) -> ModelSpec:
     raise ValueError(f"unknown model flavor {flavor!r}; choose model=<one of {flavor_names()}>")
 
 
+def args_class(flavor: str) -> type | None:
+    """The arguments dataclass of a flavor's family (the config schema of its ``model`` group); None: unknown."""
+    for spec in families():
+        if flavor in spec.flavors:
+            return spec.args
+    return None
+
+
 def spec_of(args: Any) -> ModelSpec:
     """The family whose arguments ``args`` are (its own class first, then a subclass of one)."""
     for match in (lambda spec: type(args) is spec.args, lambda spec: isinstance(args, spec.args)):
@@ -140,8 +170,10 @@ def build_model(args: Any) -> nn.Module:
     return spec_of(args).model(args)
 
 
-def count_params(args: Any) -> int:
-    return spec_of(args).count_params(args)
+def count_params(args: Any, active: bool = False) -> int:
+    """Whole-model parameters (memory), or with ``active`` those one token computes with (FLOPs)."""
+    spec = spec_of(args)
+    return spec.count_params(args, active=True) if active else spec.count_params(args)
 
 
 def flops_per_token(args: Any, seq_len: int, num_params: int | None = None) -> float:

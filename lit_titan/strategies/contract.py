@@ -44,6 +44,11 @@ class StrategyContract(Protocol):
     def pp_group(self) -> torch.distributed.ProcessGroup | None: ...
 
     @property
+    def batch_group(self) -> torch.distributed.ProcessGroup | None:
+        """The ranks that see other parts of one global batch (data x context); None: only this one."""
+        ...
+
+    @property
     def backward_in_training_step(self) -> bool:
         """True under pipeline parallelism: the schedule runs backward inside training_step."""
         ...
@@ -91,6 +96,12 @@ class PlainStrategy:
     @property
     def data_parallel_size(self) -> int:
         return self._strategy.world_size
+
+    @property
+    def batch_group(self) -> torch.distributed.ProcessGroup | None:
+        import torch.distributed as dist
+
+        return dist.group.WORLD if self._strategy.world_size > 1 and dist.is_initialized() else None
 
     @property
     def cluster_environment(self) -> ClusterEnvironment | None:

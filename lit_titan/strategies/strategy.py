@@ -184,6 +184,13 @@ class TitanStrategy(ModelParallelStrategy):
         return self._pp_group
 
     @property
+    def batch_group(self) -> torch.distributed.ProcessGroup | None:
+        dims = self.parallel_dims
+        if dims is None or dims.dp_replicate * dims.dp_shard * dims.cp == 1:
+            return None
+        return self.mesh_views["dp_cp"].get_group()
+
+    @property
     def mesh(self) -> Any:
         """The 5-D DeviceMesh once ``init_layout`` ran, else None (Lightning's ``device_mesh`` asserts)."""
         return self._device_mesh

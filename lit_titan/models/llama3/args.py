@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from lit_titan.settings import setting
 
 
 @dataclass(frozen=True)
@@ -18,29 +20,30 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelArgs:
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None
-    vocab_size: int = 128256
-    multiple_of: int = 256
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = field(default_factory=RopeScaling)
-    max_seq_len: int = 131072
+    # setting(): each field is also a config key, model.<name> (config/schema.py builds the schema from it)
+    dim: int = setting(4096, ge=1)
+    n_layers: int = setting(32, ge=1)
+    n_heads: int = setting(32, ge=1)
+    n_kv_heads: int | None = setting(None, ge=1)
+    vocab_size: int = setting(128256, ge=1)
+    multiple_of: int = setting(256, ge=1)
+    ffn_dim_multiplier: float | None = setting(None, gt=0)
+    norm_eps: float = setting(1e-5, gt=0)
+    rope_theta: float = setting(500000.0, gt=0)
+    rope_scaling: RopeScaling | None = setting(lambda: RopeScaling())
+    max_seq_len: int = setting(131072, ge=1)
     # Scale the std of output projections by depth (TorchTitan's depth_init).
-    depth_init: bool = True
+    depth_init: bool = setting(True)
     # One weight for the input embedding and the output head (Llama 3.2 1B/3B).
-    tie_embeddings: bool = False
+    tie_embeddings: bool = setting(False)
     # Attention kernel: sdpa | flex (models/llama3/attention.py); same numerics, flex skips masked blocks.
-    attention: str = "sdpa"
+    attention: str = setting("sdpa", choices=("sdpa", "flex"))
     # GPT-J/PaLM block: x + attn(norm(x)) + mlp(norm(x)), one norm; under TP one reduction per block, not two
-    parallel_block: bool = False
+    parallel_block: bool = setting(False)
     # Sliding-window attention: a token sees itself and the previous sliding_window - 1 tokens (None: all).
-    sliding_window: int | None = None
+    sliding_window: int | None = setting(None, ge=1)
     # With a window: None = every layer windowed; K = every K-th layer (index K-1, 2K-1, ...) stays global.
-    window_pattern: int | None = None
+    window_pattern: int | None = setting(None, ge=1)
 
     @property
     def kv_heads(self) -> int:

@@ -19,10 +19,11 @@ from __future__ import annotations
 from lit_titan.models.llama3.args import ModelArgs
 
 
-def count_params(model_args: ModelArgs) -> int:
+def count_params(model_args: ModelArgs, active: bool = False) -> int:
     """Parameters of the whole Llama 3 ``Transformer`` built from ``model_args`` (untied output head).
 
-    Equals ``sum(p.numel() for p in Transformer(model_args).parameters())``.
+    Equals ``sum(p.numel() for p in Transformer(model_args).parameters())``; dense, so every token
+    uses all of them (``active`` changes nothing).
     """
     dim, hd = model_args.dim, model_args.head_dim
     attention = dim * model_args.n_heads * hd * 2 + dim * model_args.kv_heads * hd * 2  # wq, wo, wk, wv

@@ -7,6 +7,7 @@ names the family.
 from types import MappingProxyType
 
 from lit_titan.models.qwen3_moe import hf
+from lit_titan.models.qwen3_moe import parallelize as _parallelize  # noqa: E402,F401,I001  (registers the ParallelPlan)
 from lit_titan.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs, count_params, flops_per_token, get_flavor
 from lit_titan.models.qwen3_moe.model import Qwen3MoE
 

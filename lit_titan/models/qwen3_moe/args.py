@@ -2,29 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lit_titan.models.moe import MoEArgs
+from lit_titan.settings import setting
 
 
 @dataclass(frozen=True)
 class Qwen3MoEArgs:
-    dim: int = 2048
-    n_layers: int = 48
-    n_heads: int = 32
-    n_kv_heads: int = 4
-    head_dim: int = 128  # Qwen3 sets it apart from dim // n_heads
-    vocab_size: int = 151936
-    ffn_dim: int = 6144  # width of the dense layers (mlp_only_layers / decoder_sparse_step), HF intermediate_size
-    moe: MoEArgs = field(default_factory=MoEArgs)
-    norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_seq_len: int = 40960
-    tie_embeddings: bool = False
-    decoder_sparse_step: int = 1  # every K-th layer is MoE (index K-1, 2K-1, ...)
-    mlp_only_layers: tuple[int, ...] = ()  # these layers stay dense
-    attention: str = "sdpa"
+    # setting(): each field is also a config key, model.<name> (config/schema.py builds the schema from it)
+    dim: int = setting(2048, ge=1)
+    n_layers: int = setting(48, ge=1)
+    n_heads: int = setting(32, ge=1)
+    n_kv_heads: int = setting(4, ge=1)
+    head_dim: int = setting(128, ge=2)  # Qwen3 sets it apart from dim // n_heads
+    vocab_size: int = setting(151936, ge=1)
+    # width of the dense layers (mlp_only_layers / decoder_sparse_step), HF intermediate_size
+    ffn_dim: int = setting(6144, ge=1)
+    moe: MoEArgs = setting(lambda: MoEArgs())
+    norm_eps: float = setting(1e-6, gt=0)
+    rope_theta: float = setting(1_000_000.0, gt=0)
+    max_seq_len: int = setting(40960, ge=1)
+    tie_embeddings: bool = setting(False)
+    decoder_sparse_step: int = setting(1, ge=1)  # every K-th layer is MoE (index K-1, 2K-1, ...)
+    mlp_only_layers: tuple[int, ...] = setting(())  # these layers stay dense
+    attention: str = setting("sdpa", choices=("sdpa", "flex"))
 
     @property
     def kv_heads(self) -> int:
@@ -38,8 +41,8 @@ class Qwen3MoEArgs:
         return None
 
     def with_overrides(self, **overrides: Any) -> Qwen3MoEArgs:
-        if isinstance(overrides.get("moe"), dict):
-            overrides["moe"] = replace(self.moe, **overrides["moe"])
+        if isinstance(overrides.get("moe"), dict):  # a null sub-key keeps the flavor's value
+            overrides["moe"] = replace(self.moe, **{k: v for k, v in overrides["moe"].items() if v is not None})
         if "mlp_only_layers" in overrides:
             overrides["mlp_only_layers"] = tuple(overrides["mlp_only_layers"])
         unknown = set(overrides) - set(asdict(self))
@@ -136,11 +139,12 @@ def count_params(a: Qwen3MoEArgs, active: bool = False) -> int:
     return blocks + a.vocab_size * a.dim + head + a.dim
 
 
-def flops_per_token(a: Qwen3MoEArgs, seq_len: int) -> float:
+def flops_per_token(a: Qwen3MoEArgs, seq_len: int, num_params: int | None = None) -> float:
     """Training model FLOPs per token on ACTIVE parameters (the PaLM convention the dense count uses).
 
     ``6 * (active params - embedding) + 12 * n_heads * head_dim * seq_len * n_layers``: a token
-    touches top_k experts, not all of them, so MFU counts what it computes.
+    touches top_k experts, not all of them, so MFU counts what it computes. ``num_params`` (a built
+    model's whole count, the registry's generic signature) is ignored: it counts every expert.
     """
     attention = 12 * a.n_heads * a.head_dim * seq_len * a.n_layers
     return float(6 * (count_params(a, active=True) - a.vocab_size * a.dim) + attention)
