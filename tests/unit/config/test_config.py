@@ -61,7 +61,11 @@ def test_documented_overrides_apply():
         (["cluster.devices=4", "parallel.cp=2", "data.seq_len=34"], LayoutError, "2*cp*tp"),
         (["cluster.devices=4", "data.global_batch_size=6"], ConfigError, "data.global_batch_size"),
         (["cluster.devices=2", "data.global_batch_size=8", "data.micro_batch_size=3"], ConfigError, "micro_batch_size"),
-        (["cluster.devices=4", "parallel.tp=2", "parallel.ep=4"], LayoutError, "parallel.ep=4: expert parallel borrows"),
+        (
+            ["cluster.devices=4", "parallel.tp=2", "parallel.ep=4"],
+            LayoutError,
+            "parallel.ep=4: expert parallel borrows",
+        ),
         (["cluster.devices=2", "parallel.ep=2"], LayoutError, "parallel.ep=2: the model has no routed experts"),
     ],
 )
