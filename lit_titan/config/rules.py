@@ -177,6 +177,17 @@ def experts_fit_ep(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None
     dims.validate_experts(num_experts(args))
 
 
+def expert_parallel_without_activation_checkpointing(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    ac = (cfg.get("callbacks") or {}).get("activation_checkpointing")
+    mode = ac.get("mode", "none") if ac is not None else "none"
+    if dims.ep > 1 and mode != "none":
+        raise ConfigError(
+            f"callbacks.activation_checkpointing.mode={mode}: not supported with parallel.ep={dims.ep} yet (the "
+            f"recomputed forward of an expert-parallel block saves other tensors than its forward, which "
+            f"torch.utils.checkpoint refuses); drop activation_checkpointing from callbacks or use parallel.ep=1"
+        )
+
+
 def document_masking(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     if cfg.data.get("document_masking") and dims.cp > 1:
         raise ConfigError(
@@ -251,6 +262,7 @@ LAYOUT_RULES = (
     grad_reduce_scatter,
     degrees_fit_model,
     experts_fit_ep,
+    expert_parallel_without_activation_checkpointing,
     document_masking,
     attention_backend,
     pipeline_validation,

@@ -72,6 +72,11 @@ def test_documented_overrides_apply():
             LayoutError,
             "parallel.ep=3: does not divide the model's 8 experts",
         ),
+        (
+            ["model=qwen3_moe_debug", "cluster.devices=2", "parallel.ep=2", "callbacks=[activation_checkpointing]"],
+            ConfigError,
+            "callbacks.activation_checkpointing.mode=selective_op: not supported with parallel.ep=2",
+        ),
     ],
 )
 def test_bad_config_is_refused_before_work(overrides, error, needle):
