@@ -90,6 +90,15 @@ def moe_parity_reference(worlds, tmp_path_factory):
     return run_moe_reference(worlds, tmp_path_factory.mktemp("moe-parity-reference"))
 
 
+@pytest.fixture(scope="session")
+def ep_parity_reference(worlds, tmp_path_factory):
+    """The one-process run of the tiny Qwen3-MoE (``parity.MOE``): the expert-parallel cases (tests/parity/test_expert_parallel.py) and their mutants
+    compare with it."""
+    from parity import MOE, run_reference
+
+    return run_reference(worlds, tmp_path_factory.mktemp("ep-parity-reference"), extra=MOE)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -176,6 +176,16 @@ def layout_fits_family(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> 
             )
 
 
+def moe_aux_loss_fits_cp(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """The sequence-wise auxiliary loss is a mean over whole sequences; a context-parallel rank holds a slice."""
+    moe = getattr(args, "moe", None)
+    if dims.cp > 1 and moe is not None and moe.aux_loss == "sequence" and moe.aux_loss_coef > 0:
+        raise ConfigError(
+            f"model.moe.aux_loss=sequence: not supported with parallel.cp={dims.cp} (each context rank holds a "
+            f"slice of every sequence); use model.moe.aux_loss=global or parallel.cp=1"
+        )
+
+
 def grad_reduce_scatter(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     from lit_titan.strategies.fsdp import PP_LAST_MICROBATCH
 
@@ -185,6 +195,28 @@ def grad_reduce_scatter(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) ->
 
 def degrees_fit_model(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     dims.validate(n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=int(cfg.data.seq_len))
+
+
+def experts_fit_ep(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    from lit_titan.models.registry import num_experts
+
+    dims.validate_experts(num_experts(args))
+    if dims.ep > 1 and dims.tp > 1:
+        raise ConfigError(
+            f"parallel.ep={dims.ep}: not supported with parallel.tp={dims.tp} yet (no parity case covers the two "
+            f"together); use parallel.tp=1 with ep, or ep=1 with tp (the MoE layer is then replicated over tp)"
+        )
+
+
+def expert_parallel_without_activation_checkpointing(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    ac = (cfg.get("callbacks") or {}).get("activation_checkpointing")
+    mode = ac.get("mode", "none") if ac is not None else "none"
+    if dims.ep > 1 and mode != "none":
+        raise ConfigError(
+            f"callbacks.activation_checkpointing.mode={mode}: not supported with parallel.ep={dims.ep} yet (the "
+            f"recomputed forward of an expert-parallel block saves other tensors than its forward, which "
+            f"torch.utils.checkpoint refuses); drop activation_checkpointing from callbacks or use parallel.ep=1"
+        )
 
 
 def cp_mode_fits_model(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
@@ -256,10 +288,13 @@ MODEL_RULES = (loss_chunks, seq_len_fits_model, tokenizer_fits_model, sliding_wi
 CONFIG_RULES = (optimizer, fault_drill, preflight, profiler_windows)
 LAYOUT_RULES = (
     layout_fits_family,
+    moe_aux_loss_fits_cp,
     tied_embeddings_without_pipeline,
     grad_reduce_scatter,
     degrees_fit_model,
     cp_mode_fits_model,
+    experts_fit_ep,
+    expert_parallel_without_activation_checkpointing,
     attention_backend,
     pipeline_validation,
 )

@@ -114,7 +114,7 @@ def parallel_dims(cfg: DictConfig) -> ParallelDims:
 
     p = cfg.parallel
     return ParallelDims.resolve(
-        world_size(cfg), pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp
+        world_size(cfg), pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.get("ep", 1)
     )
 
 

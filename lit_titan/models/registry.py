@@ -211,6 +211,12 @@ def layer_numel(args: Any, layer: int) -> tuple[int, int]:
     return spec.layer_numel(args, layer)
 
 
+def num_experts(args: Any) -> int | None:
+    """Routed experts per MoE layer (what ``parallel.ep`` splits), None for a dense model."""
+    moe = getattr(args, "moe", None)
+    return getattr(moe, "num_experts", None)
+
+
 def hf_adapter(args: Any, where: str) -> HFAdapter:
     """The family's Hugging Face adapter; ValueError when the family has none."""
     spec = spec_of(args)

@@ -1,7 +1,9 @@
 """Expert parallel: each rank of an ``ep`` group holds num_experts / ep experts; tokens travel by all-to-all.
 
-A first, self-contained step (not yet wired into TitanStrategy's mesh or ``parallel.ep``):
-``apply_expert_parallel`` keeps this rank's slice of every MoE layer's expert weights and routes
+``parallel.ep=N`` (TitanStrategy, after TP/CP and before activation checkpointing, compile and FSDP):
+``apply_expert_parallel`` makes every MoE layer's expert weights DTensors sharded over the ``ep`` mesh
+(dim 0: this rank keeps num_experts / ep experts, the checkpoint sees the full [E, ...] weights, so DCP
+reshards to another ``ep``) and routes
 its tokens through dispatch (all-to-all of tokens sorted by expert, to the rank holding the
 expert) and combine (the reverse all-to-all), both differentiable
 (``all_to_all_single_autograd``), so the backward sends gradients the same way back; gloo on CPU,
@@ -13,6 +15,8 @@ those ranks and divided by their number; an expert shard's gradient already hold
 contributions of the tokens of all ``ep`` ranks (the all-to-all's backward brought them), so it is
 summed over the ranks holding the same shard (the expert-data-parallel group) and divided by the
 *same* dp x cp number, not by the size of that group (which would make it ``ep`` times too large).
+Under FSDP that is ``strategies/fsdp.py``'s ``apply_expert_fsdp`` (its divide factor); without FSDP,
+``reduce_gradients``.
 """
 
 from __future__ import annotations
@@ -21,22 +25,28 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
 
 from lit_titan.models.moe import MoE
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Keep this rank's experts of every MoE layer of ``model`` (full weights in) and dispatch by all-to-all."""
-    ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's experts of ``model`` (meta or real) over the 1-D ``ep_mesh``; dispatch by all-to-all."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ep = ep_mesh.size()
+    for moe in moe_layers(model):
         num = moe.args.num_experts
         if num % ep:
-            raise ValueError(f"parallel.ep={ep} must divide model.moe.num_experts={num}")
-        local = num // ep
+            raise ValueError(f"parallel.ep={ep} must divide the model's {num} experts")
         for name in ("w1", "w2", "w3"):
             full = getattr(moe.experts, name)
-            setattr(moe.experts, name, nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone()))
-        moe.ep_group = group
+            setattr(moe.experts, name, nn.Parameter(distribute_tensor(full.detach(), ep_mesh, [Shard(0)])))
+        moe.ep_group = ep_mesh.get_group()
         moe.run_experts = _dispatch_combine.__get__(moe)
 
 
@@ -69,15 +79,14 @@ def reduce_gradients(model: nn.Module, dp_group: dist.ProcessGroup, edp_group: d
     its divide factor set to the dp x cp size once the strategy wires EP in.
     """
     dp = dist.get_world_size(dp_group)
-    experts = {
-        id(p) for m in model.modules() if isinstance(m, MoE) and hasattr(m, "ep_group") for p in m.experts.parameters()
-    }
+    experts = {id(p) for m in moe_layers(model) if hasattr(m, "ep_group") for p in m.experts.parameters()}
     for p in model.parameters():
         if p.grad is None:
             continue
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         if id(p) in experts:
             if edp_group is not None:
-                dist.all_reduce(p.grad, group=edp_group)
+                dist.all_reduce(grad, group=edp_group)
         else:
-            dist.all_reduce(p.grad, group=dp_group)
-        p.grad.div_(dp)
+            dist.all_reduce(grad, group=dp_group)
+        grad.div_(dp)

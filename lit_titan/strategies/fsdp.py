@@ -73,6 +73,32 @@ def apply_fsdp(
     fully_shard(root, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy(True), **kwargs)
 
 
+def apply_expert_fsdp(experts: list[nn.Module], mesh, precision: str, cfg: FSDPConfig, divide_factor: int) -> None:
+    """Shard expert modules (weights already EP-sharded DTensors) over the expert-FSDP mesh (``efsdp``,
+    with HSDP ``dp_replicate x efsdp``), each its own unit, before the blocks that hold them are wrapped.
+
+    ``divide_factor``: the dp x cp size. An expert's gradient already sums the tokens of every EP
+    rank (the all-to-all's backward), so FSDP's default, the mean over its own mesh (dp x cp / ep
+    ranks), would make it ``ep`` times too large.
+
+    FSDP reduce-scatters with a pre-multiplied sum for a factor other than its mesh size, which gloo
+    lacks, so sharded experts reduce with SUM and divide after. Not when the experts' shard dim has
+    one rank (``ep`` = dp_shard x cp): there FSDP (torch 2.15) divides in its copy *and* again after
+    a forced SUM, a gradient ``divide_factor`` times too small, while its default path divides once.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    param_dtype, reduce_dtype = mixed_precision_for(precision)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    kwargs = {"offload_policy": CPUOffloadPolicy()} if cfg.cpu_offload else {}
+    sharded = mesh.size(mesh.ndim - 1) > 1
+    for module in experts:
+        fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy, **kwargs)
+        module.set_gradient_divide_factor(float(divide_factor))
+        if sharded:
+            module.set_force_sum_reduction_for_comms(True)
+
+
 def fsdp_modules(roots: Iterable[nn.Module]) -> list[nn.Module]:
     """Every ``FSDPModule`` under ``roots``, each once (pipeline stage views share modules)."""
     from torch.distributed.fsdp import FSDPModule

@@ -15,19 +15,23 @@ def total_grad_norm(
 ) -> Tensor:
     """The L2 norm of all gradients of the whole model, identical on every rank.
 
-    Sharded (DTensor) gradients reduce over their own mesh through ``full_tensor``; pipeline
-    stages hold disjoint parameters, so their squared norms are summed over ``pp_group``.
+    Sharded (DTensor) gradients reduce over their own mesh through ``full_tensor``, one norm per
+    mesh (expert parallel puts the experts on a mesh of their own, and DTensor ops do not cross
+    meshes), combined here; pipeline stages hold disjoint parameters, so their squared norms are
+    summed over ``pp_group``.
     """
     from torch.distributed.tensor import DTensor
 
     params = list(params)
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:  # on the parameters' device: NCCL refuses CPU tensors in the pp all-reduce below
+    by_mesh = _by_grad_mesh(params)
+    if not by_mesh:  # on the parameters' device: NCCL refuses CPU tensors in the pp all-reduce below
         norm = torch.zeros((), device=params[0].device if params else None)
     else:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        parts = []
+        for group in by_mesh.values():
+            part = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type, foreach=True)
+            parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
+        norm = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts), norm_type)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         norm = norm**norm_type
         dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
@@ -37,6 +41,18 @@ def total_grad_norm(
 
 @torch.no_grad()
 def clip_grads_with_norm_(params: Iterable[Tensor], max_norm: float, total_norm: Tensor) -> None:
-    params = [p for p in params if p.grad is not None]
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)
+    """Scale every gradient by ``max_norm / total_norm`` (if below 1), one mesh at a time (DTensor ops do not
+    cross meshes)."""
+    for group in _by_grad_mesh(params).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
+
+
+def _by_grad_mesh(params: Iterable[Tensor]) -> dict[object, list[Tensor]]:
+    """Parameters with a gradient, grouped by the gradient's DTensor mesh (None: plain tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[object, list[Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            out.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return out

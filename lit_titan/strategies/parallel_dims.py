@@ -3,6 +3,11 @@
 Dims, outer to inner: pp, dp_replicate, dp_shard, cp, tp (tp innermost: it talks most, so it gets
 the fastest links). Flattened views: ``dp`` (data loading), ``dp_shard_cp`` (FSDP sharding),
 ``dp_cp`` (loss and metric reduction).
+
+Expert parallel (``ep``, TorchTitan's layout) borrows its ranks from dp_shard x cp: those ranks,
+flattened, are split into ``efsdp x ep`` (ep inner), a second mesh over the same ranks with dims
+pp, dp_replicate, efsdp, ep, tp. Routed experts are sharded over ``ep`` and FSDP-sharded over
+``efsdp`` (x dp_replicate under HSDP); everything else is laid out as without EP.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EP_MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
 
 
 class LayoutError(UserError):
@@ -30,13 +36,21 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     world_size: int = 1
+    ep: int = 1
 
     @classmethod
     def resolve(
-        cls, world_size: int, pp: int = 1, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1
+        cls,
+        world_size: int,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
     ) -> ParallelDims:
         """Fill ``dp_shard=-1`` with the ranks left over and check the degrees multiply to the world."""
-        for name, value in (("pp", pp), ("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp)):
+        for name, value in (("pp", pp), ("dp_replicate", dp_replicate), ("cp", cp), ("tp", tp), ("ep", ep)):
             if value < 1:
                 raise LayoutError(f"parallel.{name}={value} must be >= 1")
         if dp_shard == 0 or dp_shard < -1:
@@ -56,7 +70,12 @@ class ParallelDims:
                 f"{dp_shard}*{cp}*{tp} = {others * dp_shard} but the world size is {world_size}; set parallel.dp_shard=-1 or change "
                 f"cluster.devices (processes per node) / cluster.num_nodes to match"
             )
-        return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size)
+        if (dp_shard * cp) % ep:
+            raise LayoutError(
+                f"parallel.ep={ep}: expert parallel borrows its ranks from dp_shard x cp = {dp_shard}*{cp} = "
+                f"{dp_shard * cp}, which it does not divide; use parallel.ep in {_divisors(dp_shard * cp)}"
+            )
+        return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size, ep=ep)
 
     # ---- derived sizes --------------------------------------------------------------------------
     @property
@@ -66,6 +85,11 @@ class ParallelDims:
     @property
     def fsdp_size(self) -> int:
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks that hold the same experts within dp_shard x cp: FSDP shards the experts over them."""
+        return self.fsdp_size // self.ep
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -112,11 +136,26 @@ class ParallelDims:
                     f"data.seq_len={max(unit, seq_len // unit * unit)}"
                 )
 
+    def validate_experts(self, num_experts: int | None) -> None:
+        """``ep`` against the model's routed experts (None: a dense model, which ``ep > 1`` cannot split)."""
+        if self.ep > 1 and not num_experts:
+            raise LayoutError(
+                f"parallel.ep={self.ep}: the model has no routed experts (a dense model); use parallel.ep=1 "
+                f"or a Mixture-of-Experts model"
+            )
+        if num_experts and num_experts % self.ep:
+            raise LayoutError(
+                f"parallel.ep={self.ep}: does not divide the model's {num_experts} experts; use parallel.ep in "
+                f"{[d for d in _divisors(num_experts) if self.fsdp_size % d == 0]}"
+            )
+
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
         """The 5-D mesh and its flattened views {dp, dp_shard_cp, dp_cp}; needs the process group.
 
         The views are kept by the caller: slicing a flattened dim back out of the root mesh is
-        deprecated from torch 2.11.
+        deprecated from torch 2.11. With ``ep > 1`` also ``ep`` and ``efsdp`` (with HSDP
+        ``dp_replicate_efsdp``), slices of the expert mesh: FSDP composes an expert's EP sharding with
+        its own only over meshes of one root.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -127,6 +166,14 @@ class ParallelDims:
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
+        if self.ep > 1:
+            # The same ranks in the same row-major order, dp_shard x cp re-split as efsdp x ep.
+            shape = (self.pp, self.dp_replicate, self.efsdp, self.ep, self.tp)
+            expert_mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIMS)
+            views["ep"] = expert_mesh["ep"]
+            views["efsdp"] = expert_mesh["efsdp"]
+            if self.dp_replicate > 1:
+                views["dp_replicate_efsdp"] = expert_mesh["dp_replicate", "efsdp"]
         return mesh, views
 
 

@@ -42,6 +42,8 @@ class ParallelConfig:
     cp: int = setting(1, ge=1)
     cp_mode: str = setting("allgather", choices=CP_MODES)
     tp: int = setting(1, ge=1)
+    # expert parallel: routed experts split over ep ranks borrowed from dp_shard x cp (ParallelDims)
+    ep: int = setting(1, ge=1)
     pp_schedule: str = setting("1F1B", choices=PP_SCHEDULES)
     pp_microbatches: int | None = setting(None, ge=1)
     reshard_after_forward: bool = setting(True)
@@ -59,4 +61,5 @@ class ParallelConfig:
             "dp_shard": self.dp_shard,
             "cp": self.cp,
             "tp": self.tp,
+            "ep": self.ep,
         }

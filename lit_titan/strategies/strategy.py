@@ -3,7 +3,7 @@
 Extends Lightning's ``ModelParallelStrategy`` (2-D, user-parallelised) with:
 - a 5-D mesh (pp, dp_replicate, dp_shard, cp, tp) validated before any process-group work;
 - parallelisation in one fixed order from the model family's ``ParallelPlan``
-  (TP/SP -> activation checkpointing -> compile -> FSDP/HSDP), then seeded materialisation;
+  (TP/SP -> CP -> EP -> activation checkpointing -> compile -> FSDP/HSDP), then seeded materialisation;
 - reductions over the data-parallel group (not the world); under gradient accumulation FSDP
   reduce-scatters every micro-batch (gradients stay sharded) and HSDP defers only its replicate
   all-reduce (``grad_reduce_scatter``); loss-parallel contexts spanning forward and backward.
@@ -36,9 +36,11 @@ from lit_titan.strategies.context_parallel import ContextParallel
 from lit_titan.strategies.contract import SequenceData, module_contract
 from lit_titan.strategies.elastic import init_process_group as init_elastic_process_group
 from lit_titan.strategies.elastic import under_torchelastic
+from lit_titan.strategies.expert_parallel import apply_expert_parallel, moe_layers
 from lit_titan.strategies.fsdp import (
     PP_LAST_MICROBATCH,
     FSDPConfig,
+    apply_expert_fsdp,
     apply_fsdp,
     fsdp_modules,
     mixed_precision_for,
@@ -164,6 +166,10 @@ class TitanStrategy(ModelParallelStrategy):
             n_kv_heads=args.kv_heads if args is not None else None,
             seq_len=data.seq_len if isinstance(data, SequenceData) else None,
         )
+        if args is not None:
+            from lit_titan.models.registry import num_experts
+
+            dims.validate_experts(num_experts(args))
         return dims
 
     @property
@@ -343,6 +349,11 @@ class TitanStrategy(ModelParallelStrategy):
                         f"context parallelism (parallel.cp > 1) needs them"
                     )
                 self.context_parallel.apply(view, plan.attention_cores(view))
+            if dims.ep > 1:
+                apply_expert_parallel(view, self.mesh_views["ep"])
+            for moe in moe_layers(view):
+                # the global-batch auxiliary loss counts every data/context rank's tokens
+                moe.count_group = self.batch_group
             self._run_transforms("activation_checkpointing", view, plan)
             self._run_transforms("compile", view, plan)
             if dims.dp_replicate * dims.fsdp_size > 1 or param_dtype is not None:
@@ -350,6 +361,14 @@ class TitanStrategy(ModelParallelStrategy):
                 fsdp_mesh = (
                     mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else self.mesh_views["dp_shard_cp"]
                 )
+                if dims.ep > 1:
+                    apply_expert_fsdp(
+                        [m.experts for m in moe_layers(view)],
+                        self.mesh_views["dp_replicate_efsdp" if dims.dp_replicate > 1 else "efsdp"],
+                        precision,
+                        fsdp_config,
+                        divide_factor=dims.dp * dims.cp,
+                    )
                 apply_fsdp(plan.fsdp_units(view), view, fsdp_mesh, precision, fsdp_config)
                 self.fsdp_applied = True
         return model, views

@@ -17,7 +17,7 @@ import os
 import pytest
 
 from mutants import MUTANTS, applied
-from parity import TOL, measure, run_case
+from parity import TOL, measure, run_case, run_ep_case
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +51,12 @@ TARGETS = {
     "cp_ring_merge_without_lse_rescale": ("test_cp_modes.py::test_cp_mode_matches_single_process", "cp2_ring"),
     "cp_ring_chunk_mask_off_by_one": ("test_cp_modes.py::test_cp_mode_matches_single_process", "cp2_ring"),
     "cp_ulysses_all_to_all_wrong_dim": ("test_cp_modes.py::test_cp_mode_matches_single_process", "cp2_ulysses"),
+}
+
+# Expert-parallel mutants: mutant -> (the test, its case in parity.EP_CASES), against the MoE reference.
+EP_TARGETS = {
+    "ep_expert_grads_mean_over_efsdp": ("test_expert_parallel.py::test_expert_parallel_matches_single_process", "ep2"),
+    "expert_bias_from_one_rank": ("test_expert_parallel.py::test_expert_parallel_matches_single_process", "ep2"),
 }
 
 # Mutants of code every layout shares (the data path's positions): the one-process reference has the same bug,
@@ -100,25 +106,27 @@ def _resolve(target: str):
 
 
 def test_every_mutant_has_a_target():
-    targeted = set(TARGETS) | set(REFERENCE_TARGETS) | set(OWN_TESTS) | set(MOE_TARGETS) | set(MOE_WORLD_TARGETS)
-    assert targeted == set(MUTANTS) and len(MUTANTS) >= 12
+    targeted = set(TARGETS) | set(EP_TARGETS) | set(REFERENCE_TARGETS) | set(OWN_TESTS) | set(MOE_TARGETS)
+    assert targeted | set(MOE_WORLD_TARGETS) == set(MUTANTS) and len(MUTANTS) >= 12
+
+
+def _row(name: str, test: str, case: str, report) -> dict:
+    ratio, what = report.margin(TOL)
+    return {
+        "mutant": name,
+        "bug": MUTANTS[name].bug,
+        "where": MUTANTS[name].where,
+        "test": f"{test}[{case}]",
+        "margin": ratio,
+        "effect": what,
+    }
 
 
 def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, worlds):
     rows = []
     for name, (test, case) in TARGETS.items():
         report = measure(case, parity_reference, run_case(worlds, case, tmp_path / name, parity_reference, mutant=name))
-        ratio, what = report.margin(TOL)
-        rows.append(
-            {
-                "mutant": name,
-                "bug": MUTANTS[name].bug,
-                "where": MUTANTS[name].where,
-                "test": f"{test}[{case}]",
-                "margin": ratio,
-                "effect": what,
-            }
-        )
+        rows.append(_row(name, test, case, report))
     for name, (test, measure_error, tolerance) in REFERENCE_TARGETS.items():
         with applied(name):
             err, where = _resolve(measure_error)()
@@ -133,14 +141,27 @@ def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, wo
                 "effect": f"grads {where}: {err:.3g} (tolerance {tol:.1g})",
             }
         )
+    _report(rows)
+
+
+def test_expert_parallel_mutants_are_caught_with_a_10x_margin(ep_parity_reference, tmp_path, worlds):
+    """The same for the expert-parallel bugs, against the MoE reference (``parity.MOE``)."""
+    rows = []
+    for name, (test, case) in EP_TARGETS.items():
+        report = measure(case, ep_parity_reference, run_ep_case(worlds, case, tmp_path / name, mutant=name))
+        rows.append(_row(name, test, case, report))
+    _report(rows, "MUTANT_TABLE_EP")
+
+
+def _report(rows: list[dict], env: str = "MUTANT_TABLE") -> None:
     table = ["| mutant | bug | caught by | effect (tolerance) | margin |", "| --- | --- | --- | --- | --- |"]
     table += [
         f"| `{r['mutant']}` | {r['bug']} (`{r['where']}`) | `{r['test']}` | {r['effect']} | {r['margin']:.3g}x |"
         for r in rows
     ]
     print("\n".join(table))
-    if os.environ.get("MUTANT_TABLE"):
-        with open(os.environ["MUTANT_TABLE"], "w") as f:
+    if os.environ.get(env):
+        with open(os.environ[env], "w") as f:
             f.write("\n".join(table) + "\n")
             json.dump(rows, f, indent=1)
     weak = [f"{r['mutant']}: {r['margin']:.3g}x ({r['effect']})" for r in rows if not r["margin"] >= MIN_MARGIN]

@@ -56,6 +56,7 @@ def ep_gradient_case(steps: int = 3) -> dict[str, float]:
     per-parameter relative gradient error and expert-bias difference (over ranks and steps) against
     one process on the whole batch, and the share of routing choices that changed over the steps."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     from lit_titan.models.moe import update_expert_bias
     from lit_titan.strategies.expert_parallel import apply_expert_parallel, reduce_gradients
@@ -66,7 +67,7 @@ def ep_gradient_case(steps: int = 3) -> dict[str, float]:
     reference, ours = build(args), build(args)
     for m in ours.moe_layers():
         m.count_group = dist.group.WORLD
-    apply_expert_parallel(ours, dist.group.WORLD)
+    apply_expert_parallel(ours, init_device_mesh("cpu", (world,)))
     local = args.moe.num_experts // world
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -82,10 +83,12 @@ def ep_gradient_case(steps: int = 3) -> dict[str, float]:
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
         for name, p in ours.named_parameters():
             ref = ref_grads[name]
+            grad = p.grad
             if ".moe.experts." in name:
-                assert p.shape[0] == local
+                grad = grad.to_local()
+                assert grad.shape[0] == local
                 ref = ref[rank * local : (rank + 1) * local]
-            worst["grad"] = max(worst["grad"], rel_err(p.grad, ref))
+            worst["grad"] = max(worst["grad"], rel_err(grad, ref))
         for model, optimizer, group in ((reference, opt_ref, None), (ours, opt, dist.group.WORLD)):
             optimizer.step()
             optimizer.zero_grad()

@@ -9,8 +9,9 @@ after the step show both.
 ``ParityDump`` is a test-only Lightning callback (nothing runs on the training path when it is not
 added): at each chosen optimizer step it gathers every parameter's full gradient *before* clipping
 (``on_before_optimizer_step``: callbacks run before the module's hook computes the norm, and
-clipping comes after both), then after the step the module's global norm and the full weights,
-and rank 0 writes ``step-NNNNNN.pt`` keyed by the single-device parameter names. Sharded (DTensor)
+clipping comes after both), then after the step the module's global norm and the full weights
+(with the persistent buffers, such as an MoE layer's expert bias), and rank 0 writes ``step-NNNNNN.pt``
+keyed by the single-device parameter names. Sharded (DTensor)
 tensors are gathered over their own mesh (``full_tensor``); pipeline stages hold disjoint
 parameters, so every rank's tensors go to rank 0 over the world group.
 
@@ -43,9 +44,20 @@ def single_device_name(name: str) -> str:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
+    import logging
+
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    if hasattr(t, "full_tensor"):
+        # Experts under EP x FSDP are (_StridedShard, Shard) on dim 0: torch warns that gathering them
+        # takes two all-gathers, which only this test-only dump does.
+        log = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            t = t.full_tensor()
+        finally:
+            log.setLevel(level)
     while is_traceable_wrapper_subclass(t):  # Float8's weights wrap the plain weight: dumps load weights_only
         t = getattr(t, t.__tensor_flatten__()[0][0])
     return t.detach().to("cpu", copy=True)
@@ -66,6 +78,14 @@ def _gather_to_rank0(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] 
         for name, t in part.items():
             merged.setdefault(name, t)
     return merged
+
+
+def _persistent_buffers(model: torch.nn.Module):
+    """Buffers a checkpoint holds (an MoE layer's expert bias): compared with the weights after each step."""
+    for prefix, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, buf
 
 
 class ParityDump(L.Callback):
@@ -91,10 +111,7 @@ class ParityDump(L.Callback):
         step, grads = self._pending
         self._pending = None
         weights = {single_device_name(n): _full(p) for n, p in pl_module.model.named_parameters()}
-        # state that is not a parameter but must match too: an MoE layer's expert bias (aux-loss-free balancing)
-        weights.update(
-            {single_device_name(n): _full(b) for n, b in pl_module.model.named_buffers() if n.endswith("expert_bias")}
-        )
+        weights.update({single_device_name(n): _full(b) for n, b in _persistent_buffers(pl_module.model)})
         params = _gather_to_rank0(weights)
         norm = pl_module._last_grad_norm
         norm = float(_full(norm)) if norm is not None else math.nan
@@ -381,3 +398,47 @@ def run_layout(
     argv = [*PARITY, "checkpoint.enabled=false", *overrides, f"run_dir={run_dir}"]
     worlds.run(devices_of(argv), "parity:train_case", argv, str(run_dir / "dump"), steps, mutant, timeout=600)
     return run_dir
+
+
+# ---- Mixture-of-Experts and expert parallel (tests/parity/test_expert_parallel.py) -------------------
+# The tiny Qwen3-MoE (2 MoE layers of 8 experts, top 2) with both balancing methods on: the global-batch
+# auxiliary loss (counts summed over the data/context ranks) and the auxiliary-loss-free expert bias
+# (moved after every step from the whole step's counts, which changes the routing between steps).
+MOE = [
+    "model=qwen3_moe_debug",
+    "model.head_dim=16",
+    "model.moe.hidden_dim=32",
+    "model.moe.aux_loss=global",
+    "model.moe.aux_loss_coef=0.01",
+    "model.moe.bias_update_rate=0.01",
+]
+# The sequence-wise auxiliary loss, for the accumulation cases: the global-batch and pooled losses count the
+# tokens of one micro-batch (over the data/context ranks), so under gradient accumulation they are not the
+# one-process loss of the whole batch (models/moe.py; the same without any parallelism), while the
+# sequence-wise loss is a mean over sequences, which accumulation keeps. These cases have their own reference.
+SEQUENCE_AUX = ["model.moe.aux_loss=sequence"]
+# name -> overrides on top of PARITY + MOE; ep borrows its ranks from dp_shard x cp.
+EP_CASES: dict[str, list[str]] = {
+    "ep2": ["cluster.devices=2", "parallel.ep=2"],
+    "ep2_accum2": ["cluster.devices=2", "parallel.ep=2", "data.micro_batch_size=2", *SEQUENCE_AUX],
+    # dp_shard 4 = efsdp 2 x ep 2; saves the step-4 checkpoint the resume case starts from
+    "ep2xdp2": [
+        "cluster.devices=4",
+        "parallel.ep=2",
+        "checkpoint.enabled=true",
+        f"checkpoint.every_n_steps={RESUME_STEP}",
+        "checkpoint.keep_last=0",
+    ],
+    "hsdp2xep2_accum2": [
+        "cluster.devices=4",
+        "parallel.dp_replicate=2",
+        "parallel.ep=2",
+        "data.micro_batch_size=1",
+        *SEQUENCE_AUX,
+    ],
+    "cp2xep2": ["cluster.devices=2", "parallel.cp=2", "parallel.ep=2"],
+}
+
+
+def run_ep_case(worlds, case: str, run_dir: Path, mutant: str | None = None) -> Path:
+    return run_layout(worlds, [*MOE, *EP_CASES[case]], run_dir, mutant)

@@ -13,10 +13,12 @@ times the expert FLOPs; at scale experts are split by expert parallel instead (`
 is where their FLOPs belong. TP-sharding each expert's hidden width would leave the router's gradient
 partial over tp (the output is a partial sum), the bug this layout rules out.
 
-Not planned yet, so the config refuses them in one line: pipeline parallel (no ``pipeline_units``: the
-auxiliary loss is made on the last stage from every MoE layer's statistics, which would have to travel
-between stages) and context parallel (no ``attention_cores``: the sequence-wise auxiliary loss needs whole
-sequences, and no parity case covers it).
+Context parallel uses Llama's attention cores; the global-batch auxiliary loss then counts over the data x
+context ranks (``MoE.count_group``, set by the strategy; cp2 x ep2 parity in
+tests/parity/test_expert_parallel.py). The sequence-wise loss needs whole sequences, so the config refuses it
+with cp > 1 (``config/rules.py: moe_aux_loss_fits_cp``). Not planned yet, so the config refuses it in one
+line: pipeline parallel (no ``pipeline_units``: the auxiliary loss is made on the last stage from every MoE
+layer's statistics, which would have to travel between stages).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from lit_titan.models.llama3.parallelize import blocks, fsdp_units, tp_root
+from lit_titan.models.llama3.parallelize import attention_cores, blocks, fsdp_units, tp_root
 from lit_titan.models.llama3.parallelize import tp_block as llama_tp_block
 from lit_titan.strategies.parallel_plan import ParallelPlan
 
@@ -100,4 +102,5 @@ QWEN3_MOE_PLAN = ParallelPlan(
     tp_block=tp_block,
     blocks=blocks,
     fsdp_units=fsdp_units,
+    attention_cores=attention_cores,
 )

@@ -467,3 +467,30 @@ def _moe_ties(p: _Patcher) -> None:
         return scores.shape[-1] - 1 - flipped  # ties go to the highest index
 
     p.set(moe, "stable_topk", stable_topk)
+
+
+    "ep_expert_grads_mean_over_efsdp",
+    "expert gradients averaged over the expert-data-parallel group (FSDP's default), not over dp x cp: ep times too large",
+    "strategies/fsdp.py: apply_expert_fsdp (divide_factor)",
+)
+def _ep_efsdp_mean(p: _Patcher) -> None:
+    from lit_titan.strategies import strategy
+
+    original = strategy.apply_expert_fsdp
+
+    def apply_expert_fsdp(experts, mesh, precision, cfg, divide_factor):
+        original(experts, mesh, precision, cfg, divide_factor=mesh.size())
+
+    p.set(strategy, "apply_expert_fsdp", apply_expert_fsdp)
+
+
+@mutant(
+    "expert_bias_from_one_rank",
+    "the auxiliary-loss-free expert bias moves by each rank's own token counts (not summed over the batch group)",
+    "module.py: PretrainModule.on_before_optimizer_step (update_expert_bias's group)",
+)
+def _bias_one_rank(p: _Patcher) -> None:
+    import lit_titan.module as module
+
+    original = module.update_expert_bias
+    p.set(module, "update_expert_bias", lambda model, group=None: original(model, None))

@@ -61,6 +61,22 @@ def test_documented_overrides_apply():
         (["cluster.devices=4", "parallel.cp=2", "data.seq_len=34"], LayoutError, "2*cp*tp"),
         (["cluster.devices=4", "data.global_batch_size=6"], ConfigError, "data.global_batch_size"),
         (["cluster.devices=2", "data.global_batch_size=8", "data.micro_batch_size=3"], ConfigError, "micro_batch_size"),
+        (
+            ["cluster.devices=4", "parallel.tp=2", "parallel.ep=4"],
+            LayoutError,
+            "parallel.ep=4: expert parallel borrows",
+        ),
+        (["cluster.devices=2", "parallel.ep=2"], LayoutError, "parallel.ep=2: the model has no routed experts"),
+        (
+            ["model=qwen3_moe_debug", "cluster.devices=6", "data.global_batch_size=12", "parallel.ep=3"],
+            LayoutError,
+            "parallel.ep=3: does not divide the model's 8 experts",
+        ),
+        (
+            ["model=qwen3_moe_debug", "cluster.devices=2", "parallel.ep=2", "callbacks=[activation_checkpointing]"],
+            ConfigError,
+            "callbacks.activation_checkpointing.mode=selective_op: not supported with parallel.ep=2",
+        ),
     ],
 )
 def test_bad_config_is_refused_before_work(overrides, error, needle):
@@ -116,6 +132,18 @@ def test_dp_rank_mapping_without_process_groups():
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert dims.coords(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}
     assert json.dumps(dims.as_dict())
+
+
+def test_expert_parallel_borrows_its_ranks_from_dp_shard_x_cp():
+    dims = ParallelDims.resolve(16, pp=2, dp_shard=2, cp=2, tp=2, ep=2)
+    assert (dims.fsdp_size, dims.ep, dims.efsdp) == (4, 2, 2)
+    dims.validate_experts(8)
+    with pytest.raises(LayoutError, match=r"use parallel\.ep in \[1, 2, 4\]"):
+        ParallelDims.resolve(16, pp=2, dp_shard=2, cp=2, tp=2, ep=3)
+    with pytest.raises(LayoutError, match=r"the model's 9 experts; use parallel\.ep in \[1\]"):
+        dims.validate_experts(9)
+    with pytest.raises(LayoutError, match="no routed experts"):
+        dims.validate_experts(None)
 
 
 def test_the_train_command_checks_its_config_once(tmp_path, monkeypatch):
