@@ -79,9 +79,7 @@ def sequence_aux_reference(worlds, tmp_path_factory):
 def test_expert_parallel_matches_single_process(case, ep_parity_reference, tmp_path, worlds, request):
     got = request.getfixturevalue("ep2xdp2_run") if case == "ep2xdp2" else run_ep_case(worlds, case, tmp_path)
     sequence_aux = SEQUENCE_AUX[0] in EP_CASES[case]
-    check_ep_case(
-        case, request.getfixturevalue("sequence_aux_reference") if sequence_aux else ep_parity_reference, got
-    )
+    check_ep_case(case, request.getfixturevalue("sequence_aux_reference") if sequence_aux else ep_parity_reference, got)
     if case == "ep2":  # once: the reference's routing changes over the steps, and the bias moves
         assert routing_changed(ep_parity_reference) > 0.05
         bias = load_dumps(ep_parity_reference / "dump")[DUMP_STEPS[-1]]["params"]["layers.0.moe.expert_bias"]
