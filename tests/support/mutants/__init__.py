@@ -469,6 +469,7 @@ def _moe_ties(p: _Patcher) -> None:
     p.set(moe, "stable_topk", stable_topk)
 
 
+@mutant(
     "ep_expert_grads_mean_over_efsdp",
     "expert gradients averaged over the expert-data-parallel group (FSDP's default), not over dp x cp: ep times too large",
     "strategies/fsdp.py: apply_expert_fsdp (divide_factor)",
