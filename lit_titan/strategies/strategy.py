@@ -351,9 +351,6 @@ class TitanStrategy(ModelParallelStrategy):
                 self.context_parallel.apply(view, plan.attention_cores(view))
             if dims.ep > 1:
                 apply_expert_parallel(view, self.mesh_views["ep"])
-            for moe in moe_layers(view):
-                # the global-batch auxiliary loss counts every data/context rank's tokens
-                moe.count_group = self.batch_group
             self._run_transforms("activation_checkpointing", view, plan)
             self._run_transforms("compile", view, plan)
             if dims.dp_replicate * dims.fsdp_size > 1 or param_dtype is not None:
