@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_titan.job.settings import LossConfig
 from lit_titan.models import registry
 from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
 from lit_titan.models.moe import MoE, update_expert_bias
@@ -41,7 +42,7 @@ class PretrainModule(L.LightningModule, ModuleContract):
         optim: OptimConfig | dict[str, Any] | None = None,
         seed: int = 0,
         init_from_hf: str | None = None,
-        loss_chunk_tokens: int | str | None = "auto",
+        loss_chunk_tokens: int | str | None = LossConfig.chunk_tokens,
     ) -> None:
         super().__init__()
         if isinstance(optim, dict) or optim is None:

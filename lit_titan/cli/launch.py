@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from lit_titan.config import compose, validate
 from lit_titan.errors import ConfigError
-from lit_titan.job.settings import LAUNCHERS
+from lit_titan.job.settings import LAUNCHERS, ClusterConfig
 from lit_titan.strategies.parallel_dims import LayoutError
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -44,7 +44,7 @@ def check_cluster(cfg: DictConfig) -> None:
     Checked before anything is printed or started (``lit-titan launch``, ``lit-titan plan --launch``).
     """
     c, p = cfg.cluster, cfg.parallel
-    launcher = c.get("launcher", "torchrun")
+    launcher = c.get("launcher", ClusterConfig().launcher)
     if launcher not in LAUNCHERS:
         raise ConfigError(f"cluster.launcher={launcher}: not an option; choose one of {', '.join(LAUNCHERS)}")
     nodes, per_node = int(c.num_nodes), int(c.devices)
@@ -82,13 +82,13 @@ def launch_command(cfg: DictConfig, overrides: list[str]) -> str:
     keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     if "resume" not in keys:
         overrides = [*overrides, "resume=auto"]
-    if c.get("launcher", "torchrun") == "torchrun" and "run_dir" not in keys:
+    if c.get("launcher", ClusterConfig().launcher) == "torchrun" and "run_dir" not in keys:
         # Every node (and every restart) must write to the same run_dir; torchrun's run id defaults
         # to "none", so pin it here: running the printed line again continues this job (resume=auto).
         overrides = [*overrides, f"run_dir=runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"]
     args = " ".join(shlex.quote(o) for o in overrides)
     nodes, per_node, restarts = int(c.num_nodes), int(c.devices), int(c.get("max_restarts", 3))
-    if c.get("launcher", "torchrun") == "srun":
+    if c.get("launcher", ClusterConfig().launcher) == "srun":
         # Each srun task composes its own run directory: without run_dir= they would disagree, and a
         # later attempt would not find the checkpoints to resume from. Double quotes: $SLURM_JOB_ID expands.
         run_dir = "" if "run_dir" in keys else f' "run_dir=runs/{cfg.model.name}-$SLURM_JOB_ID"'
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> str:
     command = launch_command(cfg, overrides)
     if dry_run:
         print(command)
-    elif cfg.cluster.get("launcher", "torchrun") == "srun":
+    elif cfg.cluster.get("launcher", ClusterConfig().launcher) == "srun":
         print(command)
         print("\n# save this as a script and submit it with sbatch", file=sys.stderr)
     else:

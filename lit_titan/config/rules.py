@@ -40,10 +40,11 @@ def targets(cfg: DictConfig) -> None:
 
 
 def loss_chunks(cfg: DictConfig, args: ModelArgs) -> None:
+    from lit_titan.job.settings import LossConfig
     from lit_titan.models.loss import resolve_chunk_tokens
 
     try:
-        resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
+        resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", LossConfig().chunk_tokens), args.vocab_size)
     except ValueError as err:
         raise ConfigError(str(err)) from err
 

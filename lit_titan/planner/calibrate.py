@@ -199,9 +199,10 @@ def predict_memory(cfg) -> int:
 
 
 def _loss_chunk(cfg, args) -> int:
+    from lit_titan.job.settings import LossConfig
     from lit_titan.models.loss import resolve_chunk_tokens
 
-    return resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
+    return resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", LossConfig().chunk_tokens), args.vocab_size)
 
 
 def fit(runs: list[dict[str, Any]], base: Efficiencies = estimate.DEFAULT_EFFICIENCIES) -> Efficiencies:

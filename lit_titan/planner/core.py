@@ -135,9 +135,12 @@ def make_plan_from_cfg(
     grad_reduce_scatter = str(p.get("grad_reduce_scatter", "every_microbatch"))
 
     # ---- memory (measured states + estimated activations and buffers), estimate.rank_memory ------
+    from lit_titan.job.settings import LossConfig
     from lit_titan.models.loss import resolve_chunk_tokens
 
-    loss_chunk = resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
+    loss_chunk = resolve_chunk_tokens(
+        (cfg.get("loss") or {}).get("chunk_tokens", LossConfig().chunk_tokens), args.vocab_size
+    )
     mem = estimate.rank_memory(
         args,
         dims,

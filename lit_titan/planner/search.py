@@ -245,9 +245,12 @@ def search(
         gpus_per_node=int(cluster.get("gpus_per_node") or cluster.get("devices") or 1),
         fp8=bool(cluster.get("fp8")),
     )
+    from lit_titan.job.settings import LossConfig
     from lit_titan.models.loss import resolve_chunk_tokens
 
-    loss_chunk = resolve_chunk_tokens((cfg.get("loss") or {}).get("chunk_tokens", "auto"), args.vocab_size)
+    loss_chunk = resolve_chunk_tokens(
+        (cfg.get("loss") or {}).get("chunk_tokens", LossConfig().chunk_tokens), args.vocab_size
+    )
     evaluate(
         cands,
         args,
