@@ -101,11 +101,17 @@ def report_peer_failure() -> None:
     """One line when this rank failed only because a peer's process ended (``lit_titan.observe.peer_exit``).
 
     Printed by rank 0 (or, in a two-rank job, by the survivor of rank 0): under Lightning's launcher
-    rank 0 holds the other ranks' processes and names the rank and the signal. Quiet when the peer
+    rank 0 holds the other ranks' processes and names the rank and the signal. Quiet under torchrun,
+    whose agent reports the ended rank itself. Quiet when the peer
     ended on an error of its own, which it reported in its own line.
     """
     from lit_titan.observe import peer_exit
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun's agent names the ended rank with its exit code or signal and stops the survivors with
+        # SIGTERM; a survivor that sees the closed connection before that SIGTERM lands would add a second,
+        # vaguer line (it did in CI, one run in several), so under torchrun the agent's line is the report.
+        return
     rank = peer_exit.this_rank()
     run_dir = os.environ.get("LIT_TITAN_RUN_DIR")
     log_dir = Path(run_dir) / "logs" if run_dir else Path(tempfile.gettempdir()) / "lit-titan-logs"
