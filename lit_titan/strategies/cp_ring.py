@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lit_titan.strategies.context_parallel import chunk_blocks, documents_of, visible
+from lit_titan.strategies.cp_chunks import chunk_blocks, documents_of, visible
 
 Skip = bool  # False: the chunk pair has no visible key (its step is skipped)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lit_titan.models.llama3.attention import attention, window_mask
-from lit_titan.strategies.context_parallel import _gathered_to_original_cpu, documents_of
+from lit_titan.strategies.cp_chunks import documents_of, gathered_to_original
 
 
 def _all_to_all(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
@@ -67,7 +67,7 @@ class UlyssesAttention(nn.Module):
         """(rank-major -> original order, and back), built once per (seq_len, device)."""
         key = (seq_len, device)
         if key not in self._order:
-            order = _gathered_to_original_cpu(seq_len, self.cp)
+            order = gathered_to_original(seq_len, self.cp)
             self._order[key] = (order.to(device), torch.argsort(order).to(device))
         return self._order[key]
 

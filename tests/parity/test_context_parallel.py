@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lit_titan.strategies.context_parallel import balanced_positions
+from lit_titan.strategies.cp_chunks import balanced_positions
 from parity import check_case, run_case
 
 

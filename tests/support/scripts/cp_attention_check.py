@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from lit_titan.models.llama3.attention import attention, attention_mask
-from lit_titan.strategies.context_parallel import ContextParallel, ShardedDocuments
+from lit_titan.strategies.context_parallel import ContextParallel
+from lit_titan.strategies.cp_chunks import ShardedDocuments
 
 
 def _documents(b: int, seq: int, gen: torch.Generator) -> torch.Tensor:
