@@ -201,12 +201,7 @@ def degrees_fit_model(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> N
 def experts_fit_ep(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     from lit_titan.models.registry import num_experts
 
-    dims.validate_experts(num_experts(args))
-    if dims.ep > 1 and dims.tp > 1:
-        raise ConfigError(
-            f"parallel.ep={dims.ep}: not supported with parallel.tp={dims.tp} yet (no parity case covers the two "
-            f"together); use parallel.tp=1 with ep, or ep=1 with tp (the MoE layer is then replicated over tp)"
-        )
+    dims.validate_experts(num_experts(args))  # with tp > 1 the experts are split over ep x tp
 
 
 def expert_parallel_without_activation_checkpointing(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:

@@ -221,16 +221,17 @@ class MoE(nn.Module):
         self._record(scores, indices, counts, bs, seqlen)
         order = torch.argsort(flat_idx, stable=True)  # tokens grouped by expert, in token order within one
         token_of = order // self.args.top_k
-        out = self.run_experts(flat[token_of], counts)
-        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        out = self.run_experts(flat[token_of], counts, weights.reshape(-1)[order, None])
         y = torch.zeros_like(flat).index_add_(0, token_of, out.to(flat.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return y.view(bs, seqlen, dim)
 
-    def run_experts(self, x: Tensor, counts: Tensor) -> Tensor:
-        """Tokens sorted by expert -> their outputs in the same order; expert parallel replaces this."""
-        return self.experts(x, counts)
+    def run_experts(self, x: Tensor, counts: Tensor, weights: Tensor) -> Tensor:
+        """Tokens sorted by expert -> their outputs times their routing ``weights`` [n, 1], in the same order;
+        expert parallel replaces this (under tp it splits the tokens and weights over the tp ranks)."""
+        out = self.experts(x, counts)
+        return out * weights.to(out.dtype)
 
     def _record(self, scores: Tensor, indices: Tensor, counts: Tensor, bs: int, seqlen: int) -> None:
         counts_f = counts.detach().to(torch.float32)

@@ -17,6 +17,17 @@ summed over the ranks holding the same shard (the expert-data-parallel group) an
 *same* dp x cp number, not by the size of that group (which would make it ``ep`` times too large).
 Under FSDP that is ``strategies/fsdp.py``'s ``apply_expert_fsdp`` (its divide factor); without FSDP,
 ``reduce_gradients``.
+
+With tensor parallel (``tp_mesh``; TorchTitan's layout with expert TP off): the MoE layer's input is
+gathered over tp (``models/qwen3_moe/parallelize.py``), so every tp rank routes the same tokens and holds
+the same balancing statistics. The routed experts are split over ep x tp (``expert_mesh`` is that
+flattened mesh), and each tp rank dispatches its 1/tp share of the (token, routing weight) assignments,
+sorted by expert, over it: no expert is computed twice. The share is a ``Shard(0)`` of replicated
+assignments, whose backward all-gathers the shares' gradients, so every tp rank's router gets every
+token's gradient; taken as a plain slice, the router's gradient would be partial over tp, never reduced.
+The weighted outputs are all-gathered back (their gradient is replicated: a slice in backward). An
+expert shard's gradient still sums each assignment once (it lives on one rank), so the divide factor
+stays dp x cp.
 """
 
 from __future__ import annotations
@@ -34,24 +45,57 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shard every MoE layer's experts of ``model`` (meta or real) over the 1-D ``ep_mesh``; dispatch by all-to-all."""
+def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> None:
+    """Shard every MoE layer's experts of ``model`` (meta or real) over the 1-D ``expert_mesh``; dispatch by
+    all-to-all over it. ``tp_mesh``: the tensor-parallel mesh when tp > 1 (``expert_mesh`` is then ep x tp)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    ep = ep_mesh.size()
+    shards = expert_mesh.size()
     for moe in moe_layers(model):
         num = moe.args.num_experts
-        if num % ep:
-            raise ValueError(f"parallel.ep={ep} must divide the model's {num} experts")
+        if num % shards:
+            raise ValueError(f"parallel.ep x tp={shards} must divide the model's {num} experts")
         for name in ("w1", "w2", "w3"):
-            full = getattr(moe.experts, name)
-            setattr(moe.experts, name, nn.Parameter(distribute_tensor(full.detach(), ep_mesh, [Shard(0)])))
-        moe.ep_group = ep_mesh.get_group()
+            full = getattr(moe.experts, name).detach()
+            full = full.to_local() if hasattr(full, "to_local") else full  # TP made it Replicate over tp
+            setattr(moe.experts, name, nn.Parameter(distribute_tensor(full, expert_mesh, [Shard(0)])))
+        moe.ep_group = expert_mesh.get_group()
+        moe.tp_mesh = tp_mesh
         moe.run_experts = _dispatch_combine.__get__(moe)
 
 
-def _dispatch_combine(self: MoE, x: Tensor, counts: Tensor) -> Tensor:
-    """x: this rank's tokens sorted by (global) expert, ``counts`` [E] -> their outputs, same order."""
+def split_over_tp(t: Tensor, tp_mesh: DeviceMesh) -> Tensor:
+    """This tp rank's rows of ``t`` (the same on every tp rank); backward all-gathers the rows' gradients."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(0)]).to_local()
+
+
+def gather_over_tp(t: Tensor, tp_mesh: DeviceMesh) -> Tensor:
+    """Every tp rank's rows, concatenated in rank order; backward keeps this rank's rows of the (replicated) gradient."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, tp_mesh, [Shard(0)], run_check=False).redistribute(placements=[Replicate()]).to_local()
+
+
+def _dispatch_combine(self: MoE, x: Tensor, counts: Tensor, weights: Tensor) -> Tensor:
+    """x: this rank's tokens sorted by (global) expert, ``counts`` [E], ``weights`` [n, 1] -> their weighted
+    outputs, same order. Under tp, this tp rank takes its share of the rows (the module docstring says why)."""
+    tp_mesh = self.tp_mesh
+    if tp_mesh is not None:
+        tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+        # sequence parallel makes the token count, so the assignment count, a multiple of tp: equal shares
+        size = x.shape[0] // tp
+        expert_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        counts = torch.bincount(expert_ids[rank * size : (rank + 1) * size], minlength=counts.numel())
+        x, weights = split_over_tp(x, tp_mesh), split_over_tp(weights, tp_mesh)
+    out = _all_to_all_experts(self, x, counts)
+    out = out * weights.to(out.dtype)
+    return out if tp_mesh is None else gather_over_tp(out, tp_mesh)
+
+
+def _all_to_all_experts(self: MoE, x: Tensor, counts: Tensor) -> Tensor:
+    """x sorted by (global) expert, ``counts`` [E] -> the experts' outputs, same order (over ``ep_group``)."""
     group = self.ep_group
     ep = dist.get_world_size(group)
     local = self.args.num_experts // ep

@@ -6,7 +6,8 @@ the fastest links). Flattened views: ``dp`` (data loading), ``dp_shard_cp`` (FSD
 
 Expert parallel (``ep``, TorchTitan's layout) borrows its ranks from dp_shard x cp: those ranks,
 flattened, are split into ``efsdp x ep`` (ep inner), a second mesh over the same ranks with dims
-pp, dp_replicate, efsdp, ep, tp. Routed experts are sharded over ``ep`` and FSDP-sharded over
+pp, dp_replicate, efsdp, ep, tp. Routed experts are sharded over ``ep`` (over ``ep x tp`` when tp > 1:
+every tp rank computes a share of the routed tokens, so each holds its own experts) and FSDP-sharded over
 ``efsdp`` (x dp_replicate under HSDP); everything else is laid out as without EP.
 """
 
@@ -136,6 +137,11 @@ class ParallelDims:
                     f"data.seq_len={max(unit, seq_len // unit * unit)}"
                 )
 
+    @property
+    def expert_shards(self) -> int:
+        """How many ways the routed experts are split: ``ep``, times ``tp`` when both are on (ep x tp)."""
+        return self.ep * self.tp if self.ep > 1 else 1
+
     def validate_experts(self, num_experts: int | None) -> None:
         """``ep`` against the model's routed experts (None: a dense model, which ``ep > 1`` cannot split)."""
         if self.ep > 1 and not num_experts:
@@ -143,7 +149,13 @@ class ParallelDims:
                 f"parallel.ep={self.ep}: the model has no routed experts (a dense model); use parallel.ep=1 "
                 f"or a Mixture-of-Experts model"
             )
-        if num_experts and num_experts % self.ep:
+        if num_experts and num_experts % self.expert_shards:
+            if self.tp > 1:
+                raise LayoutError(
+                    f"parallel.ep={self.ep}: with parallel.tp={self.tp} the experts are split over ep x tp = "
+                    f"{self.expert_shards} ranks, which does not divide the model's {num_experts} experts; use "
+                    f"parallel.ep in {[d for d in _divisors(self.fsdp_size) if d == 1 or num_experts % (d * self.tp) == 0]}"
+                )
             raise LayoutError(
                 f"parallel.ep={self.ep}: does not divide the model's {num_experts} experts; use parallel.ep in "
                 f"{[d for d in _divisors(num_experts) if self.fsdp_size % d == 0]}"
@@ -171,6 +183,8 @@ class ParallelDims:
             shape = (self.pp, self.dp_replicate, self.efsdp, self.ep, self.tp)
             expert_mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIMS)
             views["ep"] = expert_mesh["ep"]
+            if self.tp > 1:  # the routed experts' shards and their all-to-all group (ep outer, tp inner)
+                views["ep_tp"] = expert_mesh["ep", "tp"]._flatten("ep_tp")
             views["efsdp"] = expert_mesh["efsdp"]
             if self.dp_replicate > 1:
                 views["dp_replicate_efsdp"] = expert_mesh["dp_replicate", "efsdp"]

@@ -350,7 +350,9 @@ class TitanStrategy(ModelParallelStrategy):
                     )
                 self.context_parallel.apply(view, plan.attention_cores(view))
             if dims.ep > 1:
-                apply_expert_parallel(view, self.mesh_views["ep"])
+                # with tp the experts are split over ep x tp, each tp rank computing its share of the tokens
+                tp_mesh = mesh["tp"] if dims.tp > 1 else None
+                apply_expert_parallel(view, self.mesh_views["ep_tp" if tp_mesh else "ep"], tp_mesh)
             self._run_transforms("activation_checkpointing", view, plan)
             self._run_transforms("compile", view, plan)
             if dims.dp_replicate * dims.fsdp_size > 1 or param_dtype is not None:

@@ -57,6 +57,10 @@ TARGETS = {
 EP_TARGETS = {
     "ep_expert_grads_mean_over_efsdp": ("test_expert_parallel.py::test_expert_parallel_matches_single_process", "ep2"),
     "expert_bias_from_one_rank": ("test_expert_parallel.py::test_expert_parallel_matches_single_process", "ep2"),
+    "ep_tp_router_grad_not_reduced": (
+        "test_expert_parallel.py::test_expert_parallel_matches_single_process",
+        "ep2xtp2",
+    ),
 }
 
 # Mutants of code every layout shares (the data path's positions): the one-process reference has the same bug,

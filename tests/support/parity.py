@@ -437,6 +437,8 @@ EP_CASES: dict[str, list[str]] = {
         *SEQUENCE_AUX,
     ],
     "cp2xep2": ["cluster.devices=2", "parallel.cp=2", "parallel.ep=2"],
+    # the experts split over ep x tp = 4 ranks, each tp rank dispatching half of the routed tokens
+    "ep2xtp2": ["cluster.devices=4", "parallel.tp=2", "parallel.ep=2"],
 }
 
 

@@ -8,10 +8,11 @@ The MoE layer is replicated over tp, by choice: its input is all-gathered to the
 rank routes and computes all tokens, and the output goes back to this rank's sequence slice (an all-gather
 in backward). So every tp rank holds the full gradient of the router, experts and shared experts (nothing
 is partial and nothing needs a reduction over tp), and the balancing statistics (auxiliary losses, token
-counts for the expert bias) are those of whole sequences on every rank, as in one process. The cost is tp
-times the expert FLOPs; at scale experts are split by expert parallel instead (``parallel.ep``), which
-is where their FLOPs belong. TP-sharding each expert's hidden width would leave the router's gradient
-partial over tp (the output is a partial sum), the bug this layout rules out.
+counts for the expert bias) are those of whole sequences on every rank, as in one process. Without expert
+parallel the cost is tp times the expert FLOPs. With ``parallel.ep`` the experts are split over ep x tp and
+each tp rank computes only its share of the routed tokens (``strategies/expert_parallel.py``), which
+gathers that share's gradients back so that everything here stays replicated over tp. TP-sharding each
+expert's hidden width would leave the router's gradient partial over tp (the output is a partial sum).
 
 Context parallel uses Llama's attention cores; the global-batch auxiliary loss then counts over the data x
 context ranks (``MoE.count_group``, set by the strategy; cp2 x ep2 parity in

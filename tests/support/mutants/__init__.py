@@ -486,6 +486,25 @@ def _ep_efsdp_mean(p: _Patcher) -> None:
 
 
 @mutant(
+    "ep_tp_router_grad_not_reduced",
+    "under ep x tp each tp rank takes its share of the routing weights as a plain slice: its router gradient holds "
+    "only its own share of the tokens (partial over tp) and is never reduced over tp",
+    "strategies/expert_parallel.py: split_over_tp",
+)
+def _ep_tp_router_partial(p: _Patcher) -> None:
+    from lit_titan.strategies import expert_parallel
+
+    original = expert_parallel.split_over_tp
+
+    def split_over_tp(t, tp_mesh):
+        if t.shape[-1] != 1:  # the tokens: as written; the routing weights [n, 1]: a slice, no gather in backward
+            return original(t, tp_mesh)
+        return t.chunk(tp_mesh.size())[tp_mesh.get_local_rank()]
+
+    p.set(expert_parallel, "split_over_tp", split_over_tp)
+
+
+@mutant(
     "expert_bias_from_one_rank",
     "the auxiliary-loss-free expert bias moves by each rank's own token counts (not summed over the batch group)",
     "module.py: PretrainModule.on_before_optimizer_step (update_expert_bias's group)",

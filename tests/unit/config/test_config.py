@@ -144,6 +144,11 @@ def test_expert_parallel_borrows_its_ranks_from_dp_shard_x_cp():
         dims.validate_experts(9)
     with pytest.raises(LayoutError, match="no routed experts"):
         dims.validate_experts(None)
+    # with tp the experts are split over ep x tp
+    with pytest.raises(
+        LayoutError, match=r"ep x tp = 4 ranks, which does not divide the model's 6 experts; use parallel\.ep in \[1\]"
+    ):
+        dims.validate_experts(6)
 
 
 def test_the_train_command_checks_its_config_once(tmp_path, monkeypatch):
