@@ -7,8 +7,8 @@ expert bias), in the parity regime of
 (``ep_parity_reference``, shared with the EP mutants of test_mutants.py). Each case is the training entry
 point in a reused gloo world with the dump of every pre-clip gradient (router and experts included), the clip
 norm and the weights plus the expert bias after steps 0, 4 and 7; the logged auxiliary loss is compared too.
-Tensor and pipeline parallel are not in the list: the qwen3_moe family's ``ParallelPlan`` has no TP or PP plan
-yet, and refuses them (docs/moe.md).
+Pipeline parallel is not in the list: the qwen3_moe family's ``ParallelPlan`` has no PP plan yet, and refuses
+it (docs/moe.md). ep2 x tp2 splits the experts over ep x tp (each tp rank dispatching its share of the tokens).
 """
 
 import pytest
