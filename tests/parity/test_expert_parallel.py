@@ -86,10 +86,19 @@ def test_expert_parallel_matches_single_process(case, ep_parity_reference, tmp_p
         assert bias.abs().max() > 0
 
 
-@pytest.mark.parametrize("layout", [["cluster.devices=4", "parallel.ep=4"], ["cluster.devices=1"]], ids=["ep4", "one"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["cluster.devices=4", "parallel.ep=4"],
+        ["cluster.devices=1"],
+        ["cluster.devices=4", "parallel.tp=2", "parallel.ep=2"],
+    ],
+    ids=["ep4", "one", "ep2xtp2"],
+)
 def test_resume_from_ep2xdp2_under_another_ep(layout, ep2xdp2_run, ep_parity_reference, tmp_path, worlds):
-    """Saved under ep2 x efsdp2 at step 4, resumed under ep4 and under one process (DCP reshards the experts):
-    steps 4-7 have the uninterrupted run's losses, gradients, weights and expert bias."""
+    """Saved under ep2 x efsdp2 at step 4, resumed under ep4, under one process and under ep2 x tp2 (experts
+    split over ep x tp; DCP reshards the experts): steps 4-7 have the uninterrupted run's losses, gradients,
+    weights and expert bias."""
     checkpoint = ep2xdp2_run / "checkpoints" / f"step-{RESUME_STEP:06d}"
     assert checkpoint.is_dir()
     got = run_layout(worlds, [*MOE, *layout, f"resume={checkpoint}"], tmp_path, steps=DUMP_STEPS[1:])
