@@ -65,33 +65,39 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, tp_mesh: De
 
 
 def split_over_tp(t: Tensor, tp_mesh: DeviceMesh) -> Tensor:
-    """This tp rank's rows of ``t`` (the same on every tp rank); backward all-gathers the rows' gradients."""
+    """This tp rank's rows of ``t`` (the same on every tp rank; ``torch.chunk``'s split, so uneven counts
+    work); backward all-gathers the rows' gradients."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(0)]).to_local()
 
 
-def gather_over_tp(t: Tensor, tp_mesh: DeviceMesh) -> Tensor:
-    """Every tp rank's rows, concatenated in rank order; backward keeps this rank's rows of the (replicated) gradient."""
+def gather_over_tp(t: Tensor, tp_mesh: DeviceMesh, rows: int) -> Tensor:
+    """Every tp rank's rows (``split_over_tp``'s shares of ``rows``), concatenated in rank order; backward keeps
+    this rank's rows of the (replicated) gradient."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return DTensor.from_local(t, tp_mesh, [Shard(0)], run_check=False).redistribute(placements=[Replicate()]).to_local()
+    shape = (rows, *t.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    local = DTensor.from_local(t, tp_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    return local.redistribute(placements=[Replicate()]).to_local()
 
 
 def _dispatch_combine(self: MoE, x: Tensor, counts: Tensor, weights: Tensor) -> Tensor:
     """x: this rank's tokens sorted by (global) expert, ``counts`` [E], ``weights`` [n, 1] -> their weighted
     outputs, same order. Under tp, this tp rank takes its share of the rows (the module docstring says why)."""
     tp_mesh = self.tp_mesh
+    rows = x.shape[0]
     if tp_mesh is not None:
-        tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
-        # sequence parallel makes the token count, so the assignment count, a multiple of tp: equal shares
-        size = x.shape[0] // tp
+        # this rank's rows, as torch.chunk (and so Shard(0)) splits them: ceil(rows / tp) per rank, the last short
+        size = -(-rows // tp_mesh.size())
+        start = min(rows, tp_mesh.get_local_rank() * size)
         expert_ids = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
-        counts = torch.bincount(expert_ids[rank * size : (rank + 1) * size], minlength=counts.numel())
+        counts = torch.bincount(expert_ids[start : start + size], minlength=counts.numel())
         x, weights = split_over_tp(x, tp_mesh), split_over_tp(weights, tp_mesh)
     out = _all_to_all_experts(self, x, counts)
     out = out * weights.to(out.dtype)
-    return out if tp_mesh is None else gather_over_tp(out, tp_mesh)
+    return out if tp_mesh is None else gather_over_tp(out, tp_mesh, rows)
 
 
 def _all_to_all_experts(self: MoE, x: Tensor, counts: Tensor) -> Tensor:
