@@ -34,12 +34,15 @@ SHARED_CASES = {
     "cp2_ring": None,  # parity.CASES (the mutant suite runs them too)
     "cp2_ulysses": None,
     "cp4_ring": ["cluster.devices=4", "parallel.cp=4", RING],
-    "cp2xtp2_ring_ac": [
+    # compile per block (aot_eager: dynamo + AOTAutograd, as test_parallel_block.py; the CP core runs eager
+    # between the graphs) with activation checkpointing and TP
+    "cp2xtp2_ring_ac_compile": [
         "cluster.devices=4",
         "parallel.cp=2",
         "parallel.tp=2",
         RING,
-        "callbacks=[activation_checkpointing]",
+        "callbacks=[activation_checkpointing,compile]",
+        "callbacks.compile.backend=aot_eager",
     ],
 }
 
