@@ -83,6 +83,13 @@ DOC_CASES = {
     "docs_dp2xcp2_accum2_ring": ["cluster.devices=4", "parallel.cp=2", "data.micro_batch_size=2", RING],
     # every pipeline stage receives the micro-batch's sharded positions and document ids
     "docs_pp2xcp2_ring": ["cluster.devices=4", "parallel.pp=2", "parallel.cp=2", "parallel.pp_microbatches=2", RING],
+    "docs_pp2xcp2_ulysses": [
+        "cluster.devices=4",
+        "parallel.pp=2",
+        "parallel.cp=2",
+        "parallel.pp_microbatches=2",
+        ULYSSES,
+    ],
 }
 DOC_MUTANT = ("cp_document_boundary_across_chunk", "docs_cp4_ring")  # its target (tests/parity/test_mutants.py)
 
