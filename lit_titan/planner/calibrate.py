@@ -144,6 +144,7 @@ def _setup(cfg) -> dict[str, Any]:
         cluster=OmegaConf.to_container(cfg.cluster, resolve=True),
         reshard=bool(cfg.parallel.reshard_after_forward),
         grs=str(cfg.parallel.get("grad_reduce_scatter", "every_microbatch")),
+        cp_mode=str(cfg.parallel.get("cp_mode", "allgather")),
     )
 
 
@@ -173,6 +174,7 @@ def _predict(s: dict[str, Any], eff: Efficiencies) -> dict[str, Any]:
         optimizer="for_loop" if cluster.get("accelerator") == "cpu" else "fused",
         float8=s["f8"],
         eff=eff,
+        cp_mode=s["cp_mode"],
     )
 
 
@@ -195,6 +197,7 @@ def predict_memory(cfg) -> int:
         grad_reduce_scatter=s["grs"],
         loss_chunk_tokens=_loss_chunk(cfg, s["args"]),
         document_masking=bool((cfg.get("data") or {}).get("document_masking", False)),
+        cp_mode=s["cp_mode"],
     )["max_total_bytes"]
 
 

@@ -133,6 +133,7 @@ def make_plan_from_cfg(
     reshard = bool(p.reshard_after_forward)
     accumulation = batch.accumulation  # Lightning micro-batches per step
     grad_reduce_scatter = str(p.get("grad_reduce_scatter", "every_microbatch"))
+    cp_mode = str(p.get("cp_mode", "allgather"))
 
     # ---- memory (measured states + estimated activations and buffers), estimate.rank_memory ------
     from lit_titan.job.settings import LossConfig
@@ -156,6 +157,7 @@ def make_plan_from_cfg(
         loss_chunk_tokens=loss_chunk,
         document_masking=bool((cfg.get("data") or {}).get("document_masking", False)),
         optimizer_state_elem_bytes=2 if (cfg.get("optim") or {}).get("state_dtype") == "bf16" else None,
+        cp_mode=cp_mode,
     )
     param_bytes, grad_bytes, optimizer_bytes = mem["param_bytes"], mem["grad_bytes"], mem["optimizer_bytes"]
     buffers, act0 = mem["fsdp_buffer_bytes"], mem["activation_detail"]
@@ -226,7 +228,10 @@ def make_plan_from_cfg(
         optimizer=_optimizer_implementation(cfg, cluster, layout),
         float8=layout.float8_layers > 0,
         eff=eff or estimate.DEFAULT_EFFICIENCIES,
+        cp_mode=cp_mode,
     )
+    if dims.cp > 1:
+        plan["context_parallel"] = _context_parallel(args, dims, micro, seq_len, cp_mode, precision, plan["perf"])
     plan["gradients"] = {
         "accumulation": accumulation,
         "grad_reduce_scatter": grad_reduce_scatter,
@@ -266,6 +271,18 @@ def make_plan_from_cfg(
         "pipeline p2p, the optimizer step on the CPU (cpu_offload)",
     }
     return _finish(plan, t0)
+
+
+def _context_parallel(args, dims, micro: int, seq_len: int, mode: str, precision: str, perf: dict) -> dict[str, Any]:
+    """What the CP mode keeps, holds and sends per block (planner/cp_modes.py), and its step-time share."""
+    from lit_titan.planner import cp_modes
+
+    out = cp_modes.summary(
+        args, s=seq_len, b=micro, t=dims.tp, cp=dims.cp, mode=mode, act_elem=estimate.activation_elem_bytes(precision)
+    )
+    if perf.get("available"):
+        out.update(comm_s=perf["cp_comm_total_s"], exposed_s=perf["cp_comm_s"])
+    return out
 
 
 def hbm_gib(cluster: dict[str, Any]) -> tuple[float | None, str | None]:
@@ -341,6 +358,15 @@ def render_table(plan: dict[str, Any]) -> str:
             f"[{perf['fsdp_link']}], tp {perf['tp_comm_s']:.2f}, bubble {perf['pp_bubble_fraction']:.1%}, "
             f"optimizer {perf['optimizer_s']:.3f} [{perf['optimizer']}])  "
             f"tokens/s/device {perf['tokens_per_sec_per_device']:.0f}  MFU bound {perf['mfu_bound']:.1%}"
+        )
+    cp = plan.get("context_parallel")
+    if cp:
+        timing = f"; {cp['exposed_s']:.3f} s of {cp['comm_s']:.3f} s per step exposed" if "comm_s" in cp else ""
+        lines.append(
+            f"context parallel {cp['mode']}: per block and micro-batch, K/V kept beyond the local slice "
+            f"{cp['kept_kv_bytes_per_block'] / 2**20:.1f} MiB, backward transient "
+            f"{cp['backward_transient_bytes'] / 2**20:.1f} MiB, sent {cp['comm_bytes_per_block'] / 2**20:.1f} MiB "
+            f"(fwd+bwd, {'overlapped with attention' if cp['overlapped'] else 'exposed'}){timing}"
         )
     if plan["fits"] is None:
         lines.append(f"fit unknown: {plan['fit_unknown']}")

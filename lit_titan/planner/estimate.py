@@ -20,6 +20,7 @@ from typing import Any
 
 from lit_titan.data.batch_layout import BatchLayout
 from lit_titan.observe.throughput import peak_flops  # noqa: F401 - also this module's API
+from lit_titan.planner import cp_modes
 
 GIB = 1024**3
 
@@ -71,14 +72,14 @@ def float8_flops_per_token(args) -> float:
     return 6.0 * args.n_layers * linear
 
 
-def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str) -> float:
+def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str, cp_mode: str = "allgather") -> float:
     h, h_kv, f = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
     tokens = s * b / (t * cp)
     # Kept whole on each rank, not split by t or cp (measured, benchmarks/activation_memory_cpu.py):
     # under TP the two linear inputs are the all-gathered sequence (sequence parallel gathers before
-    # wq/wk/wv and w1/w3, and autograd keeps the gathered tensor); under CP attention keeps the
-    # all-gathered keys and values of the whole sequence.
-    gathered = s * b / cp * 2 * h * 2 * (1 - 1 / t) + s * b / t * 4 * h_kv * (1 - 1 / cp)
+    # wq/wk/wv and w1/w3, and autograd keeps the gathered tensor); under CP all-gather attention keeps
+    # the keys and values of the whole sequence (ulysses and ring do not: planner/cp_modes.py).
+    gathered = s * b / cp * 2 * h * 2 * (1 - 1 / t) + cp_modes.kept_kv_bytes(args, s, b, t, cp, cp_mode)
     if mode == "none":
         return tokens * (16 * h + 4 * h_kv + 8 * f) + gathered
     if mode == "selective_op":
@@ -152,6 +153,7 @@ def activation_bytes(
     loss_chunk_tokens: int = 0,
     act_elem: int = 2,
     document_masking: bool = False,
+    cp_mode: str = "allgather",
 ) -> dict[str, Any]:
     t, cp, p, v = dims.tp, dims.cp, dims.pp, stages_per_rank
     width = act_elem / 2  # the per-block formulas count 16-bit elements
@@ -160,10 +162,10 @@ def activation_bytes(
         n_ckpt = (layers_on_rank + every_n_layers - 1) // every_n_layers
         mixed = n_ckpt * per_block_activation_bytes(args, s, b, t, cp, "full") + (
             layers_on_rank - n_ckpt
-        ) * per_block_activation_bytes(args, s, b, t, cp, "none")
+        ) * per_block_activation_bytes(args, s, b, t, cp, "none", cp_mode)
         per_block = mixed / max(layers_on_rank, 1)
     else:
-        per_block = per_block_activation_bytes(args, s, b, t, cp, mode)
+        per_block = per_block_activation_bytes(args, s, b, t, cp, mode, cp_mode)
     if p > 1:
         # blocks' worth of activations held at the peak by the first pipeline rank
         in_flight = args.n_layers * ((1 + (p - 1) / (p * v)) if v > 1 else 1.0)
@@ -172,8 +174,9 @@ def activation_bytes(
         in_flight = layers_on_rank
     per_block *= width
     blocks = per_block * in_flight
-    recompute_peak = width * per_block_activation_bytes(args, s, b, t, cp, "none") if mode != "none" else 0.0
+    recompute_peak = width * per_block_activation_bytes(args, s, b, t, cp, "none", cp_mode) if mode != "none" else 0.0
     recompute_peak += width * backward_temp_bytes(args, s, b, t, cp)  # a block's backward, recomputed or not
+    recompute_peak += cp_modes.backward_transient_bytes(args, s, b, t, cp, cp_mode, act_elem)  # ring's blocks
     embedding = act_elem * s * b * args.dim / (t * cp)
     # The loss's tokens per rank: all of them, or one chunk at a time (loss.chunk_tokens, lit_titan/models/loss.py).
     loss_tokens = s * b / cp if not loss_chunk_tokens else min(loss_chunk_tokens, s * b / cp)
@@ -258,6 +261,7 @@ def step_time(
     optimizer: str = "fused",
     float8: bool = False,
     eff: Efficiencies = DEFAULT_EFFICIENCIES,
+    cp_mode: str = "allgather",
 ) -> dict[str, Any]:
     """A deliberately simple bound: compute, exposed communication, pipeline bubble.
 
@@ -270,7 +274,9 @@ def step_time(
     tp_comm   = per block and micro-batch 4 collectives forward, 4 backward (+4 when recomputed), halved with
                 model.parallel_block (one all-gather and one reduce-scatter serve both branches), each
                 (t-1)/t * 2*s*b*h bytes over NVLink (or IB if the TP group spans nodes); exposed
-    cp_comm   = K/V all-gather per block, forward + backward, exposed
+    cp_comm   = per block, forward + backward, by parallel.cp_mode (planner/cp_modes.py): all-gather of K/V
+                or Ulysses' all-to-alls, exposed; ring's K/V blocks, exposed only beyond the block's attention,
+                plus ring's fp32 per-block kernel's extra time over the model's attention FLOPs
     bubble    = (p-1)/(m*v + p-1) of the pipelined time;
     share     = processes per node / cores_per_node when above 1 (CPU profiles): scales compute and overhead
     hsdp      = all-reduce of the gradient shards over dp_replicate (once per step), exposed
@@ -324,10 +330,19 @@ def step_time(
         if getattr(args, "parallel_block", False):  # one gather of norm(x), one reduction of attn + mlp
             colls //= 2
         tp_s = layout.layers_on_rank * colls * per_coll / bandwidth(dims.tp)
-    cp_s = 0.0
-    if dims.cp > 1:
-        kv = 2 * 2 * dp_local * seq_len * args.kv_heads * args.head_dim / dims.tp  # k and v, bf16, full seq
-        cp_s = layout.layers_on_rank * 2 * (dims.cp - 1) / dims.cp * kv / bandwidth(dims.cp * dims.tp)
+    cp = cp_modes.cp_time(
+        args,
+        s=seq_len,
+        b=dp_local,
+        t=dims.tp,
+        cp=dims.cp,
+        mode=cp_mode,
+        layers=layout.layers_on_rank,
+        bandwidth=bandwidth(dims.cp * dims.tp),
+        flops_per_s=peak * eff.compute / share,
+        kernel_flops_per_s=cp_modes.ring_kernel_rate(cluster, precision, peak * eff.compute, eff.compute) / share,
+    )
+    cp_s = cp["exposed_s"] + cp["kernel_s"]  # ring: exposed transfers + its fp32 kernel's extra time
     bubble = 0.0
     if dims.pp > 1:
         m, p, v = pp_microbatches, dims.pp, stages_per_rank
@@ -351,6 +366,9 @@ def step_time(
         "fsdp_comm_s": fsdp_s,
         "tp_comm_s": tp_s,
         "cp_comm_s": cp_s,
+        "cp_comm_total_s": cp["comm_s"],
+        "cp_kernel_s": cp["kernel_s"],
+        "cp_mode": cp_mode,
         "hsdp_comm_s": hsdp_s,
         "overhead_s": eff.overhead_s,
         "exposed_fsdp_s": max(fsdp_s - compute_s, 0.0),
@@ -385,6 +403,7 @@ def rank_memory(
     loss_chunk_tokens: int = 0,
     document_masking: bool = False,
     optimizer_state_elem_bytes: int | None = None,
+    cp_mode: str = "allgather",
 ) -> dict[str, Any]:
     """Per-rank memory of a layout: rank 0's breakdown, every pipeline rank's total, and the maximum.
 
@@ -418,6 +437,7 @@ def rank_memory(
             loss_chunk_tokens=loss_chunk_tokens,
             act_elem=activation_elem_bytes(precision),
             document_masking=document_masking,
+            cp_mode=cp_mode,
         )
 
     act0 = acts(layout.layers_on_rank, layout.pp_rank_has_output[0])

@@ -12,7 +12,9 @@ seq_len divisible by tp (x 2cp), the global batch by dp; pipeline schedules 1F1B
 wrong gradients with FSDP2 resharding after forward); micro-batch sizes dividing the local batch (under PP:
 pipeline micro-batches, at least pp of them and, interleaved, a multiple of pp); activation
 checkpointing none/selective_op/full; gradient reduce-scatter every/last micro-batch when
-accumulating; Float8 on profiles whose GPUs have FP8 units (``cluster.fp8: true``).
+accumulating; Float8 on profiles whose GPUs have FP8 units (``cluster.fp8: true``); with cp > 1 every
+``parallel.cp_mode`` the model allows (ulysses: heads and KV heads divisible by tp x cp; planner/cp_modes.py),
+shown as ``cp2`` (allgather), ``cp2u`` (ulysses), ``cp2r`` (ring).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.data.batch_layout import BatchLayout
 from lit_titan.errors import ConfigError
-from lit_titan.planner import estimate
+from lit_titan.planner import cp_modes, estimate
 from lit_titan.planner.analytic import analytic_layout
 from lit_titan.planner.estimate import GIB, HBM_RESERVE_GIB
 from lit_titan.strategies.parallel_dims import ParallelDims
@@ -60,6 +62,7 @@ class Candidate:
     memory: dict[str, Any] = field(default_factory=dict)
     perf: dict[str, Any] = field(default_factory=dict)
     confirmed: dict[str, Any] | None = None
+    cp_mode: str = "allgather"  # parallel.cp_mode (planner/cp_modes.py); only cp > 1 tries the others
 
     @property
     def tokens_per_sec(self) -> float:
@@ -67,14 +70,19 @@ class Candidate:
 
     def describe(self) -> str:
         d = self.dims
-        mesh = f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard} cp{d.cp} tp{d.tp}"
+        mesh = f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard} cp{d.cp}{self._cp_suffix()} tp{d.tp}"
         pipe = f" {self.schedule} m{self.pp_microbatches}" if self.schedule else f" accum{self.accumulation}"
         return f"{mesh}{pipe} mb{self.micro_batch} ac={self.ac_mode}{' fp8' if self.float8 else ''}"
+
+    def _cp_suffix(self) -> str:
+        return {"allgather": "", "ulysses": "u", "ring": "r"}[self.cp_mode] if self.dims.cp > 1 else ""
 
     def overrides(self, callbacks: list[str]) -> list[str]:
         """Hydra overrides that select this layout on top of the user's own (``callbacks``: theirs)."""
         d = self.dims
         out = [f"parallel.{k}={v}" for k, v in d.as_dict().items()]
+        if d.cp > 1:
+            out.append(f"parallel.cp_mode={self.cp_mode}")
         if self.schedule:
             out += [
                 f"parallel.pp_schedule={self.schedule}",
@@ -126,7 +134,8 @@ def enumerate_layouts(
                     if global_batch % dims.dp:
                         continue
                     local = global_batch // dims.dp
-                    out += _batch_options(dims, local, n_units, fp8)
+                    for mode in cp_modes.modes_for(args, tp, cp):
+                        out += [replace(c, cp_mode=mode) for c in _batch_options(dims, local, n_units, fp8)]
     return out
 
 
@@ -187,6 +196,7 @@ def evaluate(
             reshard_after_forward=reshard_after_forward,
             grad_reduce_scatter=c.grad_reduce_scatter,
             loss_chunk_tokens=loss_chunk_tokens,
+            cp_mode=c.cp_mode,
         )
         if capacity is not None and c.memory["max_total_bytes"] > capacity:
             continue
@@ -208,6 +218,7 @@ def evaluate(
             optimizer=optimizer,
             float8=c.float8,
             eff=eff,
+            cp_mode=c.cp_mode,
         )
 
 
@@ -323,6 +334,7 @@ def row(c: Candidate, callbacks: list[str]) -> dict[str, Any]:
     return {
         "layout": c.describe(),
         "mesh": c.dims.as_dict(),
+        "cp_mode": c.cp_mode,
         "schedule": c.schedule,
         "micro_batch": c.micro_batch,
         "accumulation": c.accumulation,
@@ -391,6 +403,7 @@ def render_search(result: dict[str, Any]) -> str:
         )
     lines.append(
         "memory in GiB per device (states: params + grads + AdamW; max: the most loaded pp rank); "
+        "cpN: context parallel all-gather, cpNu Ulysses, cpNr ring; "
         "* confirmed by building it (TitanStrategy.parallelize on a meta model, fake process group)"
     )
     for c in result["confirmed"]:

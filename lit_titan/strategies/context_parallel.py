@@ -193,7 +193,12 @@ class ContextParallel:
         masks: dict = {}  # one CPU prefix mask per shape for all layers (see AllGatherKVAttention)
         for parent, name in attention_cores:
             window = getattr(getattr(parent, name), "window", None)
-            setattr(parent, name, self.core(window, masks))
+            core = self.core(window, masks)
+            # Compiled blocks (callbacks=[compile]) run the CP core eagerly between two graphs: its collectives
+            # (all-gather in an autograd Function, all-to-all, ring isend/irecv) and per-step Python are not
+            # traceable; transforms.compile_blocks drops fullgraph for this break under CP.
+            core.forward = torch.compiler.disable(core.forward)
+            setattr(parent, name, core)
         model.register_forward_pre_hook(self._inject_positions, with_kwargs=True)
 
     def _inject_positions(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

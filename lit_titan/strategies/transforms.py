@@ -128,16 +128,15 @@ def request_compile(
     lit_titan/models/llama3/parallelize.py; local tensors there train silently wrong under compile).
     """
     titan = contract(strategy)
-    if titan.parallel_dims is not None and titan.parallel_dims.cp > 1:
-        raise NotImplementedError(
-            "Compile with context parallelism (parallel.cp > 1) is not supported yet: the "
-            "all-gather-KV attention runs collectives inside an autograd Function; drop "
-            "the compile callback or set parallel.cp=1"
-        )
-    titan.register_transform(
-        "compile",
-        lambda model, plan, strategy: compile_blocks(model, plan, fullgraph=fullgraph, backend=backend, mode=mode),
-    )
+
+    def transform(model: nn.Module, plan: Any, strategy: Any) -> None:
+        # Under CP the attention core stays eager (ContextParallel.apply disables it for dynamo): one graph
+        # break per block, so fullgraph cannot hold there.
+        dims = getattr(strategy, "parallel_dims", None)
+        cp = dims is not None and dims.cp > 1
+        compile_blocks(model, plan, fullgraph=fullgraph and not cp, backend=backend, mode=mode)
+
+    titan.register_transform("compile", transform)
 
 
 def request_float8(

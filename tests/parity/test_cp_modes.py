@@ -34,12 +34,15 @@ SHARED_CASES = {
     "cp2_ring": None,  # parity.CASES (the mutant suite runs them too)
     "cp2_ulysses": None,
     "cp4_ring": ["cluster.devices=4", "parallel.cp=4", RING],
-    "cp2xtp2_ring_ac": [
+    # compile per block (aot_eager: dynamo + AOTAutograd, as test_parallel_block.py; the CP core runs eager
+    # between the graphs) with activation checkpointing and TP
+    "cp2xtp2_ring_ac_compile": [
         "cluster.devices=4",
         "parallel.cp=2",
         "parallel.tp=2",
         RING,
-        "callbacks=[activation_checkpointing]",
+        "callbacks=[activation_checkpointing,compile]",
+        "callbacks.compile.backend=aot_eager",
     ],
 }
 
@@ -80,6 +83,13 @@ DOC_CASES = {
     "docs_dp2xcp2_accum2_ring": ["cluster.devices=4", "parallel.cp=2", "data.micro_batch_size=2", RING],
     # every pipeline stage receives the micro-batch's sharded positions and document ids
     "docs_pp2xcp2_ring": ["cluster.devices=4", "parallel.pp=2", "parallel.cp=2", "parallel.pp_microbatches=2", RING],
+    "docs_pp2xcp2_ulysses": [
+        "cluster.devices=4",
+        "parallel.pp=2",
+        "parallel.cp=2",
+        "parallel.pp_microbatches=2",
+        ULYSSES,
+    ],
 }
 DOC_MUTANT = ("cp_document_boundary_across_chunk", "docs_cp4_ring")  # its target (tests/parity/test_mutants.py)
 
