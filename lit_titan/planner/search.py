@@ -12,7 +12,9 @@ seq_len divisible by tp (x 2cp), the global batch by dp; pipeline schedules 1F1B
 wrong gradients with FSDP2 resharding after forward); micro-batch sizes dividing the local batch (under PP:
 pipeline micro-batches, at least pp of them and, interleaved, a multiple of pp); activation
 checkpointing none/selective_op/full; gradient reduce-scatter every/last micro-batch when
-accumulating; Float8 on profiles whose GPUs have FP8 units (``cluster.fp8: true``).
+accumulating; Float8 on profiles whose GPUs have FP8 units (``cluster.fp8: true``). For an MoE model also
+expert parallel: ``ep`` dividing dp_shard x cp and the number of experts, where the config's rules accept
+it with the layout's tp and activation checkpointing (``config/rules.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ TERMS = (
     ("exposed_fsdp_s", "exposed FSDP communication"),
     ("tp_comm_s", "TP communication"),
     ("cp_comm_s", "CP communication"),
+    ("ep_comm_s", "expert-parallel all-to-all"),
     ("bubble_s", "pipeline bubble"),
     ("hsdp_comm_s", "HSDP all-reduce"),
     ("optimizer_s", "optimizer step"),
@@ -60,6 +63,7 @@ class Candidate:
     memory: dict[str, Any] = field(default_factory=dict)
     perf: dict[str, Any] = field(default_factory=dict)
     confirmed: dict[str, Any] | None = None
+    moe: bool = False  # an MoE model: the layout names parallel.ep (1 included)
 
     @property
     def tokens_per_sec(self) -> float:
@@ -67,7 +71,7 @@ class Candidate:
 
     def describe(self) -> str:
         d = self.dims
-        mesh = f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard} cp{d.cp} tp{d.tp}"
+        mesh = f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard} cp{d.cp} tp{d.tp}" + (f" ep{d.ep}" if self.moe else "")
         pipe = f" {self.schedule} m{self.pp_microbatches}" if self.schedule else f" accum{self.accumulation}"
         return f"{mesh}{pipe} mb{self.micro_batch} ac={self.ac_mode}{' fp8' if self.float8 else ''}"
 
@@ -75,6 +79,8 @@ class Candidate:
         """Hydra overrides that select this layout on top of the user's own (``callbacks``: theirs)."""
         d = self.dims
         out = [f"parallel.{k}={v}" for k, v in d.as_dict().items()]
+        if self.moe:
+            out.append(f"parallel.ep={d.ep}")
         if self.schedule:
             out += [
                 f"parallel.pp_schedule={self.schedule}",
@@ -106,9 +112,10 @@ def enumerate_layouts(
 ) -> list[Candidate]:
     """Every candidate whose degrees divide the world and the model and that the model family's parallel
     plan covers (no pipeline or context parallel where it has none; no memory or time yet)."""
-    from lit_titan.models.registry import spec_of
+    from lit_titan.models.registry import num_experts, spec_of
 
     plan = spec_of(args).plan
+    experts = num_experts(args)
     out: list[Candidate] = []
     n_units = args.n_layers + 2
     for tp in divisors(world):
@@ -126,8 +133,29 @@ def enumerate_layouts(
                     if global_batch % dims.dp:
                         continue
                     local = global_batch // dims.dp
-                    out += _batch_options(dims, local, n_units, fp8)
+                    for ep in divisors(dps * cp) if experts else [1]:
+                        if experts % ep if experts else False:
+                            continue
+                        dims_ep = replace(dims, ep=ep)
+                        for c in _batch_options(dims_ep, local, n_units, fp8):
+                            c.moe = bool(experts)
+                            if not (ep > 1 and _refused(args, dims_ep, c.ac_mode)):
+                                out.append(c)
     return out
+
+
+def _refused(args, dims: ParallelDims, ac_mode: str) -> str | None:
+    """The config rules on expert parallel (with tp, with activation checkpointing) for one candidate:
+    the search proposes only what training would accept."""
+    from lit_titan.config import rules
+
+    cfg = OmegaConf.create({"callbacks": {"activation_checkpointing": {"mode": ac_mode}} if ac_mode != "none" else {}})
+    for rule in (rules.experts_fit_ep, rules.expert_parallel_without_activation_checkpointing):
+        try:
+            rule(cfg, args, dims)
+        except ValueError as err:
+            return str(err)
+    return None
 
 
 def _batch_options(dims: ParallelDims, local: int, n_units: int, fp8: bool) -> list[Candidate]:
