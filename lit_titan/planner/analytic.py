@@ -74,11 +74,13 @@ def analytic_layout(
     # FSDP units: each block, the embedding, [norm, output]; gathered over dp_shard*cp, per tp rank.
     # With ep > 1 a block's routed experts are a unit of their own, gathered over efsdp: 1/ep of them.
     split = dims.ep > 1
+    # Experts as FSDP gathers them: rank 0's chunk (padded when there are more ranks than experts) x the group.
     unit_sizes = []
     for u in units:
         if all(m in mods0 for m in u):
-            routed = sum(experts.get(m, 0) for m in u) if split else 0
-            unit_sizes += [sum(numel[m][0] // t + numel[m][1] for m in u) - routed, routed // dims.ep]
+            rest = sum(numel[m][0] // t + numel[m][1] - experts.get(m, 0) for m in u)
+            gathered = sum(local_experts(m) for m in u) * (dims.efsdp if split else fsdp)
+            unit_sizes += [rest, gathered] if split else [rest + gathered]
     sharded = dims.dp_replicate * fsdp > 1 or precision == "bf16-mixed"
     return ShardedLayout(
         params_total=sum(a + b for a, b in numel.values()),

@@ -247,7 +247,12 @@ def test_analytic_layout_matches_the_meta_build(layout):
     from lit_titan.planner.build import build_layout
 
     layout = dict(layout)
-    model = [f"model={layout.pop('model')}", "model.mlp_only_layers=[1]"] if "model" in layout else []
+    # a small vocabulary, so that a block (not the embedding) is the largest FSDP unit
+    model = (
+        [f"model={layout.pop('model')}", "model.mlp_only_layers=[1]", "model.vocab_size=512"]
+        if "model" in layout
+        else []
+    )
     cfg = compose(
         [
             *model,
