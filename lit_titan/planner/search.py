@@ -133,9 +133,7 @@ def enumerate_layouts(
                     if global_batch % dims.dp:
                         continue
                     local = global_batch // dims.dp
-                    for ep in divisors(dps * cp) if experts else [1]:
-                        if experts % ep if experts else False:
-                            continue
+                    for ep in [e for e in divisors(dps * cp) if experts % e == 0] if experts else [1]:
                         dims_ep = replace(dims, ep=ep)
                         for c in _batch_options(dims_ep, local, n_units, fp8):
                             c.moe = bool(experts)
