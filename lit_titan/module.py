@@ -24,6 +24,7 @@ from lit_titan.job.settings import LossConfig
 from lit_titan.models import registry
 from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
 from lit_titan.models.moe import MoE, update_expert_bias
+from lit_titan.observe.expert_load import expert_load_metrics
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.phases import PhaseClock, phase
 from lit_titan.optim.build import OptimConfig, build_optimizer, build_scheduler
@@ -227,6 +228,8 @@ class PretrainModule(L.LightningModule, ModuleContract):
             if self._step_aux_loss is not None:
                 aux = self._step_aux_loss / max(self._micro_batches, 1)
                 self.log("train/aux_loss", aux, sync_dist=True, on_step=True, on_epoch=False)
+            for key, value in expert_load_metrics(self.model, self.strategy_contract.batch_group).items():
+                self.log(key, value, on_step=True, on_epoch=False)  # MoE: max/mean tokens per expert, per layer
             self.log("train/lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
             self.log("train/grad_norm", self._last_grad_norm, on_step=True, on_epoch=False)
             self.log(

@@ -14,7 +14,8 @@ and MFU bound, and every reason the layout cannot work. Writes ``${run_dir}/plan
     lit-titan plan search=true plan.calibration=runs/my-run/calibration.yaml ...
 
 Planner keys (read here, not by Hydra, so training's config stays as it is): search=true|false,
-calibrate=RUN_DIR, plan.calibration=FILE, plan.top=N (rows, 10), plan.confirm=K (top layouts built, 3).
+calibrate=RUN_DIR, plan.calibration=FILE, plan.top=N (rows, 10), plan.confirm=K (top layouts built, 3),
+plan.expert_imbalance=X (MoE: max/mean tokens per expert, 1.0; the run report's expert-load figure measures it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from lit_titan.planner import make_plan_from_cfg, render_table
 __all__ = ["make_plan", "main"]
 
 
-PLAN_KEYS = ("search", "calibrate", "plan.calibration", "plan.top", "plan.confirm")
+PLAN_KEYS = ("search", "calibrate", "plan.calibration", "plan.top", "plan.confirm", "plan.expert_imbalance")
 
 
 def split_plan_keys(overrides: list[str] | tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
@@ -49,8 +50,10 @@ def split_plan_keys(overrides: list[str] | tuple[str, ...]) -> tuple[dict[str, s
 
 def _efficiencies(keys: dict[str, str]):
     from lit_titan.planner.calibrate import load_calibration
+    from lit_titan.planner.moe import with_expert_imbalance
 
-    return load_calibration(keys["plan.calibration"]) if keys.get("plan.calibration") else None
+    eff = load_calibration(keys["plan.calibration"]) if keys.get("plan.calibration") else None
+    return with_expert_imbalance(eff, keys.get("plan.expert_imbalance"))
 
 
 def make_plan(overrides: list[str] | tuple[str, ...] = (), *, write: bool = True) -> dict[str, Any]:

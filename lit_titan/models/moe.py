@@ -235,6 +235,7 @@ class MoE(nn.Module):
 
     def _record(self, scores: Tensor, indices: Tensor, counts: Tensor, bs: int, seqlen: int) -> None:
         counts_f = counts.detach().to(torch.float32)
+        self.last_counts = counts_f  # the last forward's tokens per expert (observe/expert_load.py logs them)
         # Count once per step: a forward recomputed by activation checkpointing runs inside backward.
         if self.training and self.args.bias_update_rate > 0 and torch._C._current_graph_task_id() == -1:
             self.tokens_per_expert += counts_f

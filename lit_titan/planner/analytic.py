@@ -12,6 +12,7 @@ candidates are then confirmed with the real build (``search.confirm``), and
 from __future__ import annotations
 
 from lit_titan.planner.build import ShardedLayout
+from lit_titan.planner.moe import routed_expert_numel
 from lit_titan.strategies.parallel_dims import ParallelDims
 from lit_titan.strategies.pipeline import PipelineConfig, split_units, stage_ids
 
@@ -51,14 +52,35 @@ def analytic_layout(
         per_rank_mods, n_stages, stages0 = [[n for u in units for n in u]], 1, [0]
     t, fsdp = dims.tp, dims.fsdp_size
 
+    experts = {m: routed_expert_numel(args, int(m.split(".")[1])) for m in numel if m.startswith("layers.")}
+
+    def local_experts(m: str) -> int:
+        # FSDP shards dim 0 (this rank's num_experts / ep experts) over efsdp in chunks of ceil(rows / efsdp):
+        # with more ranks than experts rank 0 holds a whole expert, more than the mean.
+        if not experts.get(m):
+            return 0
+        rows = args.moe.num_experts // dims.ep
+        return -(-rows // dims.efsdp) * (experts[m] // args.moe.num_experts)
+
     def local(mods: list[str]) -> int:
-        return sum(-(-numel[m][0] // (t * fsdp)) + -(-numel[m][1] // fsdp) for m in mods)
+        return sum(
+            -(-numel[m][0] // (t * fsdp)) + -(-(numel[m][1] - experts.get(m, 0)) // fsdp) + local_experts(m)
+            for m in mods
+        )
 
     mods0 = per_rank_mods[0]
     local_numel = local(mods0)
     elem = 2 if precision == "bf16-true" else 4
-    # FSDP units: each block, the embedding, [norm, output]; gathered over dp_shard*cp, per tp rank
-    unit_sizes = [sum(numel[m][0] // t + numel[m][1] for m in u) for u in units if all(m in mods0 for m in u)]
+    # FSDP units: each block, the embedding, [norm, output]; gathered over dp_shard*cp, per tp rank.
+    # With ep > 1 a block's routed experts are a unit of their own, gathered over efsdp: 1/ep of them.
+    split = dims.ep > 1
+    # Experts as FSDP gathers them: rank 0's chunk (padded when there are more ranks than experts) x the group.
+    unit_sizes = []
+    for u in units:
+        if all(m in mods0 for m in u):
+            rest = sum(numel[m][0] // t + numel[m][1] - experts.get(m, 0) for m in u)
+            gathered = sum(local_experts(m) for m in u) * (dims.efsdp if split else fsdp)
+            unit_sizes += [rest, gathered] if split else [rest + gathered]
     sharded = dims.dp_replicate * fsdp > 1 or precision == "bf16-mixed"
     return ShardedLayout(
         params_total=sum(a + b for a, b in numel.values()),
@@ -78,6 +100,7 @@ def analytic_layout(
         ac_every_n_layers=ac_every_n_layers,
         float8_layers=int(float8) * args.n_layers * 7,
         compiled=False,
+        expert_numel=sum(local_experts(m) for m in mods0),
     )
 
 

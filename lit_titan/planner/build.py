@@ -57,6 +57,7 @@ class ShardedLayout:
     ac_every_n_layers: int = 2
     float8_layers: int = 0
     compiled: bool = False
+    expert_numel: int = 0  # of local_numel, the routed experts' (expert parallel shards them; planner/moe.py)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -138,14 +139,21 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
                     "local_shape": list(loc.shape),
                     "placements": [str(pl) for pl in getattr(p, "placements", ())],
                 }
+        # Routed experts (expert parallel shards them; an FSDP unit of their own, gathered over efsdp).
+        from lit_titan.models.moe import GroupedExperts
+
+        expert_ids = {id(p) for m in rank_model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        expert_numel = sum(_local(p).numel() for p in rank_model.parameters() if id(p) in expert_ids)
         # FSDP units and their all-gathered size (over dp_shard*cp; still TP-sharded), bf16.
         fsdp = dims.fsdp_size
         largest = 0
         for view in views:
             for unit in plan.fsdp_units(view):
                 mods = unit if isinstance(unit, list) else [unit]
-                n = sum(_local(p).numel() for m in mods for p in m.parameters())
-                largest = max(largest, n * fsdp)
+                params = [p for m in mods for p in m.parameters()]
+                routed = sum(_local(p).numel() for p in params if id(p) in expert_ids) if dims.ep > 1 else 0
+                n = sum(_local(p).numel() for p in params) - routed
+                largest = max(largest, n * fsdp, routed * dims.efsdp)
         layers = len(list(plan.blocks(rank_model)))  # under PP: the union of this rank's stages
         f8 = info["float8"]
         return ShardedLayout(
@@ -167,4 +175,5 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
             ac_every_n_layers=info["ac_every_n_layers"],
             float8_layers=len(f8.converted) if f8 is not None else 0,
             compiled=info["compiled"],
+            expert_numel=expert_numel,
         )

@@ -110,7 +110,7 @@ def make_plan_from_cfg(
     plan["flops_per_token"] = flops_per_token(args, seq_len, num_params=plan["params_total"])
     if dims is None:
         return _finish(plan, t0)
-    plan["mesh"] = dims.as_dict()
+    plan["mesh"] = dims.as_dict() | ({"ep": dims.ep} if dims.ep > 1 else {})
     try:
         layout = build_layout(cfg, args, dims, callbacks)
     except Exception as err:  # noqa: BLE001 - a layout torch refuses is a reason, not a crash
@@ -355,7 +355,9 @@ def render_table(plan: dict[str, Any]) -> str:
     if perf.get("available"):
         lines.append(
             f"step: {perf['step_s']:.2f} s (compute {perf['compute_s']:.2f}, fsdp {perf['fsdp_comm_s']:.2f} "
-            f"[{perf['fsdp_link']}], tp {perf['tp_comm_s']:.2f}, bubble {perf['pp_bubble_fraction']:.1%}, "
+            f"[{perf['fsdp_link']}], tp {perf['tp_comm_s']:.2f}, "
+            + (f"ep all-to-all {perf['ep_comm_s']:.2f} [{perf['ep_link']}], " if perf.get("ep_comm_s") else "")
+            + f"bubble {perf['pp_bubble_fraction']:.1%}, "
             f"optimizer {perf['optimizer_s']:.3f} [{perf['optimizer']}])  "
             f"tokens/s/device {perf['tokens_per_sec_per_device']:.0f}  MFU bound {perf['mfu_bound']:.1%}"
         )

@@ -20,7 +20,7 @@ from typing import Any
 
 from lit_titan.data.batch_layout import BatchLayout
 from lit_titan.observe.throughput import peak_flops  # noqa: F401 - also this module's API
-from lit_titan.planner import cp_modes
+from lit_titan.planner import cp_modes, moe
 
 GIB = 1024**3
 
@@ -44,7 +44,10 @@ class Efficiencies:
 
     ``float8_linear_speedup``: how much faster the block Linears' matmuls run under Float8 than in
     bf16 (1.0: not modelled). ``overhead_s``: fixed per-step host time (Lightning's loop, hooks,
-    logging; dominant for tiny CPU models, negligible at fleet scale). ``source`` says where they came from.
+    logging; dominant for tiny CPU models, negligible at fleet scale). ``expert_imbalance``: max/mean
+    tokens per routed expert (1.0: perfectly balanced; the run report's expert-load figure measures it),
+    stretching expert compute and the all-to-all under expert parallel (planner/moe.py).
+    ``source`` says where they came from.
     """
 
     compute: float = COMPUTE_EFFICIENCY
@@ -52,6 +55,7 @@ class Efficiencies:
     hbm: float = HBM_EFFICIENCY
     float8_linear_speedup: float = 1.0
     overhead_s: float = 0.0
+    expert_imbalance: float = 1.0
     source: str = "defaults (lit_titan/planner/estimate.py)"
 
     def with_(self, **kw: Any) -> Efficiencies:
@@ -80,10 +84,11 @@ def per_block_activation_bytes(args, s: int, b: int, t: int, cp: int, mode: str,
     # wq/wk/wv and w1/w3, and autograd keeps the gathered tensor); under CP all-gather attention keeps
     # the keys and values of the whole sequence (ulysses and ring do not: planner/cp_modes.py).
     gathered = s * b / cp * 2 * h * 2 * (1 - 1 / t) + cp_modes.kept_kv_bytes(args, s, b, t, cp, cp_mode)
+    routed = moe.routed_activation_bytes_per_token(args)  # an MoE layer's routed copies (0: dense)
     if mode == "none":
-        return tokens * (16 * h + 4 * h_kv + 8 * f) + gathered
+        return tokens * (16 * h + 4 * h_kv + 8 * f + routed) + gathered
     if mode == "selective_op":
-        return tokens * (10 * h + 4 * h_kv + 4 * f) + gathered
+        return tokens * (10 * h + 4 * h_kv + 4 * f + routed) + gathered
     if mode == "full":
         return tokens * 2 * h
     raise ValueError(mode)
@@ -221,8 +226,14 @@ def fsdp_buffer_bytes(layout, dims, precision: str, reshard_after_forward: bool)
     gather = 4 if precision == "32-true" else 2
     grad = 2 if precision == "bf16-true" else 4
     if dims.pp > 1 or not reshard_after_forward:
-        return int(layout.local_numel * dims.fsdp_size * gather + layout.largest_unit_numel * grad)
+        return int(unsharded_numel(layout, dims) * gather + layout.largest_unit_numel * grad)
     return int(2 * layout.largest_unit_numel * gather + layout.largest_unit_numel * grad)
+
+
+def unsharded_numel(layout, dims) -> int:
+    """This rank's parameters all-gathered by FSDP: over dp_shard*cp, routed experts over efsdp only."""
+    experts = layout.expert_numel if dims.ep > 1 else 0
+    return (layout.local_numel - experts) * dims.fsdp_size + experts * dims.efsdp
 
 
 def gradient_bytes(
@@ -239,7 +250,7 @@ def gradient_bytes(
     if grad_reduce_scatter != "last_microbatch" or accumulation <= 1 or dims.pp > 1 or not layout.fsdp_applied:
         return sharded_bytes
     reduce_elem = 2 if precision == "bf16-true" else 4
-    return layout.local_numel * dims.fsdp_size * reduce_elem
+    return unsharded_numel(layout, dims) * reduce_elem
 
 
 def step_time(
@@ -277,10 +288,14 @@ def step_time(
     cp_comm   = per block, forward + backward, by parallel.cp_mode (planner/cp_modes.py): all-gather of K/V
                 or Ulysses' all-to-alls, exposed; ring's K/V blocks, exposed only beyond the block's attention,
                 plus ring's fp32 per-block kernel's extra time over the model's attention FLOPs
+    ep_comm   = per MoE layer and micro-batch 4 all-to-alls (dispatch + combine, forward + backward; +2
+                recomputed under full AC), each tokens x top_k x dim x 2 bytes x (ep-1)/ep x rank imbalance
+                (planner/moe.py), over the ep x tp ranks' link; exposed. The rank imbalance (expert
+                imbalance, capped at ep) also stretches the routed experts' compute
     bubble    = (p-1)/(m*v + p-1) of the pipelined time;
     share     = processes per node / cores_per_node when above 1 (CPU profiles): scales compute and overhead
     hsdp      = all-reduce of the gradient shards over dp_replicate (once per step), exposed
-    step      = (max(compute, fsdp) + tp + cp) / (1 - bubble) + hsdp + optimizer + overhead
+    step      = (max(compute, fsdp) + tp + cp + ep) / (1 - bubble) + hsdp + optimizer + overhead
 
     The efficiencies (compute, comm, hbm, Float8 speed-up, overhead) come from ``eff``: the defaults
     or a calibration file (lit_titan/planner/calibrate.py).
@@ -305,6 +320,10 @@ def step_time(
     rank_flops = flops_per_token * tokens_step / dims.world_size
     f8_flops = float8_flops_per_token(args) * tokens_step / dims.world_size if float8 else 0.0
     effective = rank_flops - f8_flops + f8_flops / eff.float8_linear_speedup
+    # expert parallel: the most loaded rank computes its experts' tokens, imbalance x the mean share
+    imbalance = moe.rank_imbalance(eff.expert_imbalance, dims.ep)
+    expert_flops = moe.expert_flops_per_token(args) * tokens_step / dims.world_size
+    effective += expert_flops * (imbalance - 1)
     compute_s = effective * recompute / (peak * eff.compute)
     # CPU profiles: more processes per node than cores share them (cluster.cores_per_node)
     share = max(float(cluster.get("devices") or 1) / float(cluster.get("cores_per_node") or 1e9), 1.0)
@@ -317,10 +336,13 @@ def step_time(
     reduce_scatters = 1 if grad_reduce_scatter == "last_microbatch" and dims.pp == 1 else accumulation
     fsdp_s = 0.0
     if layout.fsdp_applied and n > 1:
-        gather_bytes = layout.local_numel * n * (4 if precision == "32-true" else 2)
-        grad_bytes = layout.local_numel * n * (2 if precision == "bf16-true" else 4)
         gathers = accumulation * (1 if dims.pp > 1 or not reshard_after_forward else 2)
-        volume = (n - 1) / n * (gathers * gather_bytes + reduce_scatters * grad_bytes)
+        experts = layout.expert_numel if dims.ep > 1 else 0  # gathered over efsdp, the rest over n
+        volume = 0.0
+        for numel, group in ((layout.local_numel - experts, n), (experts, dims.efsdp)):
+            gather_bytes = numel * group * (4 if precision == "32-true" else 2)
+            grad_bytes = numel * group * (2 if precision == "bf16-true" else 4)
+            volume += (group - 1) / group * (gathers * gather_bytes + reduce_scatters * grad_bytes)
         fsdp_s = volume / bandwidth(n * dims.tp)
     # TP (+SP): 4 collectives per block forward (2 all-gather, 2 reduce-scatter), 4 backward
     tp_s = 0.0
@@ -343,11 +365,19 @@ def step_time(
         kernel_flops_per_s=cp_modes.ring_kernel_rate(cluster, precision, peak * eff.compute, eff.compute) / share,
     )
     cp_s = cp["exposed_s"] + cp["kernel_s"]  # ring: exposed transfers + its fp32 kernel's extra time
+    ep_s = 0.0
+    if dims.ep > 1:  # every rank routes its own tokens (dp x cp share the step's; tp ranks repeat them)
+        moe_layers = len(moe.moe_layers(args)) * layout.layers_on_rank / args.n_layers
+        a2a = moe.all_to_all_bytes(
+            args, tokens=tokens_step / (dims.dp * dims.cp), ep=dims.ep, expert_imbalance=eff.expert_imbalance
+        )
+        colls = moe.A2A_PER_LAYER + (moe.A2A_RECOMPUTED if ac_mode == "full" else 0)
+        ep_s = moe_layers * colls * a2a / bandwidth(dims.ep * dims.tp)
     bubble = 0.0
     if dims.pp > 1:
         m, p, v = pp_microbatches, dims.pp, stages_per_rank
         bubble = (p - 1) / (m * v + p - 1)
-    busy = max(compute_s, fsdp_s) + tp_s + cp_s
+    busy = max(compute_s, fsdp_s) + tp_s + cp_s + ep_s
     hsdp_s = 0.0
     if dims.dp_replicate > 1:  # HSDP: the replicas all-reduce their gradient shards, across nodes
         shard_grad = layout.local_numel * (2 if precision == "bf16-true" else 4)
@@ -369,6 +399,8 @@ def step_time(
         "cp_comm_total_s": cp["comm_s"],
         "cp_kernel_s": cp["kernel_s"],
         "cp_mode": cp_mode,
+        "ep_comm_s": ep_s,
+        "expert_rank_imbalance": imbalance,
         "hsdp_comm_s": hsdp_s,
         "overhead_s": eff.overhead_s,
         "exposed_fsdp_s": max(fsdp_s - compute_s, 0.0),
@@ -384,6 +416,7 @@ def step_time(
         "optimizer_s": optimizer_s,
         "fsdp_link": "nvlink" if n * dims.tp <= per_node else "infiniband",
         "tp_link": "nvlink" if dims.tp <= per_node else "infiniband",
+        "ep_link": "nvlink" if dims.ep * dims.tp <= per_node else "infiniband",
     }
 
 

@@ -14,7 +14,9 @@ pipeline micro-batches, at least pp of them and, interleaved, a multiple of pp);
 checkpointing none/selective_op/full; gradient reduce-scatter every/last micro-batch when
 accumulating; Float8 on profiles whose GPUs have FP8 units (``cluster.fp8: true``); with cp > 1 every
 ``parallel.cp_mode`` the model allows (ulysses: heads and KV heads divisible by tp x cp; planner/cp_modes.py),
-shown as ``cp2`` (allgather), ``cp2u`` (ulysses), ``cp2r`` (ring).
+shown as ``cp2`` (allgather), ``cp2u`` (ulysses), ``cp2r`` (ring). For an MoE model also
+expert parallel: ``ep`` dividing dp_shard x cp and the number of experts, where the config's rules accept
+it with the layout's tp and activation checkpointing (``config/rules.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ TERMS = (
     ("exposed_fsdp_s", "exposed FSDP communication"),
     ("tp_comm_s", "TP communication"),
     ("cp_comm_s", "CP communication"),
+    ("ep_comm_s", "expert-parallel all-to-all"),
     ("bubble_s", "pipeline bubble"),
     ("hsdp_comm_s", "HSDP all-reduce"),
     ("optimizer_s", "optimizer step"),
@@ -63,6 +66,7 @@ class Candidate:
     perf: dict[str, Any] = field(default_factory=dict)
     confirmed: dict[str, Any] | None = None
     cp_mode: str = "allgather"  # parallel.cp_mode (planner/cp_modes.py); only cp > 1 tries the others
+    moe: bool = False  # an MoE model: the layout names parallel.ep (1 included)
 
     @property
     def tokens_per_sec(self) -> float:
@@ -70,7 +74,9 @@ class Candidate:
 
     def describe(self) -> str:
         d = self.dims
-        mesh = f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard} cp{d.cp}{self._cp_suffix()} tp{d.tp}"
+        mesh = f"pp{d.pp} dpr{d.dp_replicate} dps{d.dp_shard} cp{d.cp}{self._cp_suffix()} tp{d.tp}" + (
+            f" ep{d.ep}" if self.moe else ""
+        )
         pipe = f" {self.schedule} m{self.pp_microbatches}" if self.schedule else f" accum{self.accumulation}"
         return f"{mesh}{pipe} mb{self.micro_batch} ac={self.ac_mode}{' fp8' if self.float8 else ''}"
 
@@ -83,6 +89,8 @@ class Candidate:
         out = [f"parallel.{k}={v}" for k, v in d.as_dict().items()]
         if d.cp > 1:
             out.append(f"parallel.cp_mode={self.cp_mode}")
+        if self.moe:
+            out.append(f"parallel.ep={d.ep}")
         if self.schedule:
             out += [
                 f"parallel.pp_schedule={self.schedule}",
@@ -114,9 +122,10 @@ def enumerate_layouts(
 ) -> list[Candidate]:
     """Every candidate whose degrees divide the world and the model and that the model family's parallel
     plan covers (no pipeline or context parallel where it has none; no memory or time yet)."""
-    from lit_titan.models.registry import spec_of
+    from lit_titan.models.registry import num_experts, spec_of
 
     plan = spec_of(args).plan
+    experts = num_experts(args)
     out: list[Candidate] = []
     n_units = args.n_layers + 2
     for tp in divisors(world):
@@ -134,9 +143,29 @@ def enumerate_layouts(
                     if global_batch % dims.dp:
                         continue
                     local = global_batch // dims.dp
-                    for mode in cp_modes.modes_for(args, tp, cp):
-                        out += [replace(c, cp_mode=mode) for c in _batch_options(dims, local, n_units, fp8)]
+                    for ep in [e for e in divisors(dps * cp) if experts % e == 0] if experts else [1]:
+                        dims_ep = replace(dims, ep=ep)
+                        for mode in cp_modes.modes_for(args, tp, cp):
+                            for c in _batch_options(dims_ep, local, n_units, fp8):
+                                c.moe = bool(experts)
+                                c.cp_mode = mode
+                                if not (ep > 1 and _refused(args, dims_ep, c.ac_mode)):
+                                    out.append(c)
     return out
+
+
+def _refused(args, dims: ParallelDims, ac_mode: str) -> str | None:
+    """The config rules on expert parallel (with tp, with activation checkpointing) for one candidate:
+    the search proposes only what training would accept."""
+    from lit_titan.config import rules
+
+    cfg = OmegaConf.create({"callbacks": {"activation_checkpointing": {"mode": ac_mode}} if ac_mode != "none" else {}})
+    for rule in (rules.experts_fit_ep, rules.expert_parallel_without_activation_checkpointing):
+        try:
+            rule(cfg, args, dims)
+        except ValueError as err:
+            return str(err)
+    return None
 
 
 def _batch_options(dims: ParallelDims, local: int, n_units: int, fp8: bool) -> list[Candidate]:

@@ -59,7 +59,24 @@ METRIC_FIGURES = (
     ("grad_norm", "Gradient norm (before clipping)", "global L2 norm", ("train/grad_norm",)),
     ("tokens_per_s", "Throughput", "tokens/s per device", ("perf/tokens_per_sec_per_device",)),
     ("mfu", "Model FLOPs utilisation", "MFU", ("perf/mfu",)),
+    ("aux_loss", "MoE auxiliary (load-balancing) loss", "loss", ("train/aux_loss",)),
 )
+
+
+def _expert_load(runs: list[Run]) -> Figure:
+    """MoE runs: max/mean tokens per expert of each layer over the steps (observe/expert_load.py's keys)."""
+    from lit_titan.observe.expert_load import PREFIX
+
+    fig = Figure(
+        "expert_load", "MoE expert load per layer (1 = balanced)", "optimizer step", "max/mean tokens per expert"
+    )
+    for run in runs:
+        keys = sorted((k for k in run.metrics if k.startswith(PREFIX)), key=lambda k: int(k.rsplit("layer", 1)[1]))
+        for key in keys:
+            points, label = run.series(key), key[len(PREFIX) :]
+            name = label if len(runs) == 1 else f"{run.name}: {label}"
+            fig.series[name] = {"x": [p[0] for p in points], "y": [p[1] for p in points]}
+    return fig
 
 
 def build_figures(runs: list[Run]) -> list[Figure]:
@@ -70,6 +87,7 @@ def build_figures(runs: list[Run]) -> list[Figure]:
         for key in keys:
             _lines(fig, runs, key)
         figs.append(fig)
+    figs.append(_expert_load(runs))
     if len(runs) == 1 and runs[0].timeline:
         figs.extend(_timeline_figures(runs[0]))
     for fig in figs:

@@ -232,6 +232,9 @@ DEBUG_LAYOUTS = [
     dict(pp=2, dp_shard=4, pp_schedule="1F1B"),
     # the MoE family (its layer counts and its plan: the MoE layer replicated over tp); layer 1 dense
     dict(model="qwen3_moe_debug", dp_shard=4, tp=2),
+    # expert parallel: experts over ep, FSDP over efsdp (2 here; 1 under HSDP x cp), their own FSDP unit
+    dict(model="qwen3_moe_debug", dp_shard=8, ep=4),
+    dict(model="qwen3_moe_debug", dp_replicate=2, dp_shard=2, cp=2, ep=4),
 ]
 
 
@@ -244,7 +247,12 @@ def test_analytic_layout_matches_the_meta_build(layout):
     from lit_titan.planner.build import build_layout
 
     layout = dict(layout)
-    model = [f"model={layout.pop('model')}", "model.mlp_only_layers=[1]"] if "model" in layout else []
+    # a small vocabulary, so that a block (not the embedding) is the largest FSDP unit
+    model = (
+        [f"model={layout.pop('model')}", "model.mlp_only_layers=[1]", "model.vocab_size=512"]
+        if "model" in layout
+        else []
+    )
     cfg = compose(
         [
             *model,
@@ -270,6 +278,7 @@ def test_analytic_layout_matches_the_meta_build(layout):
         "pp_rank_layers",
         "pp_rank_has_output",
         "largest_unit_numel",
+        "expert_numel",
     ):
         assert getattr(ana, key) == getattr(built, key), key
 
