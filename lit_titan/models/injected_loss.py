@@ -41,14 +41,15 @@ def backward_scale() -> float | None:
 class _AddToBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, term: Tensor, scale: float) -> Tensor:
-        ctx.save_for_backward(term)
+        # the term's shape, not the term: its gradient is a constant, so backward unpacks no saved tensor
+        ctx.term = (term.shape, term.dtype, term.device)
         ctx.scale = scale
         return hidden
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        (term,) = ctx.saved_tensors
-        return grad, torch.full_like(term, ctx.scale), None
+        shape, dtype, device = ctx.term
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
 def add_to_backward(hidden: Tensor, term: Tensor, scale: float) -> Tensor:
