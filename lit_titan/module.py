@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from lit_titan.job.settings import LossConfig
 from lit_titan.models import registry
 from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
-from lit_titan.models.moe import MoE, update_expert_bias
+from lit_titan.models.moe import MoE, take_injected_aux_loss, update_expert_bias
 from lit_titan.observe.expert_load import expert_load_metrics
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.phases import PhaseClock, phase
@@ -188,13 +188,26 @@ class PretrainModule(L.LightningModule, ModuleContract):
         # Starts from the first micro-batch's loss, on its device: no host-made zero to copy over.
         loss = _plain(loss.detach()).float()
         self._step_loss = loss if self._micro_batches == 0 else self._step_loss + loss
-        aux = getattr(self.model, "last_aux_loss", None)  # an MoE family's balancing loss, inside ``loss``
+        aux = self._micro_batch_aux_loss()
         if aux is not None:
-            aux = _plain(aux).float()
             first = self._micro_batches == 0 or self._step_aux_loss is None
             self._step_aux_loss = aux if first else self._step_aux_loss + aux
         self._micro_batches += 1
         self._tokens_per_step_accumulate(inputs)
+
+    def _micro_batch_aux_loss(self) -> Tensor | None:
+        """An MoE family's balancing loss of this micro-batch, detached: the one the model added to ``loss``, or
+        under pipeline parallelism this rank's layers' part of it (each layer back-propagated its own share,
+        outside the last stage's loss; the parts are summed over the stages where the step is logged)."""
+        if not hasattr(self.model, "last_aux_loss"):
+            return None
+        if self.strategy_contract.backward_in_training_step:
+            moe = getattr(self.model_args, "moe", None)  # the same on every stage, so every stage joins the sum
+            if moe is None or not moe.has_aux_loss:
+                return None
+            return take_injected_aux_loss(self.model, self.strategy_contract.root_device)
+        aux = self.model.last_aux_loss
+        return None if aux is None else _plain(aux).float()
 
     def record_val_loss(self, loss: Tensor) -> None:
         self.log("val/loss", _plain(loss.detach()), sync_dist=True, prog_bar=True)
@@ -224,9 +237,14 @@ class PretrainModule(L.LightningModule, ModuleContract):
             self._last_grad_norm = total_grad_norm(list(self.parameters()), pp_group=self.strategy_contract.pp_group)
         if is_logging_step(self.trainer, self.global_step + 1):
             step_loss = self._step_loss / max(self._micro_batches, 1)
+            aux = None if self._step_aux_loss is None else self._step_aux_loss / max(self._micro_batches, 1)
+            pp_group = self.strategy_contract.pp_group
+            if aux is not None and self.strategy_contract.backward_in_training_step and pp_group is not None:
+                # each stage holds its layers' part, and the pipeline's loss (the last stage's) excludes it
+                torch.distributed.all_reduce(aux, group=pp_group)
+                step_loss = step_loss + aux
             self.log("train/loss", step_loss, sync_dist=True, prog_bar=True, on_step=True, on_epoch=False)
-            if self._step_aux_loss is not None:
-                aux = self._step_aux_loss / max(self._micro_batches, 1)
+            if aux is not None:
                 self.log("train/aux_loss", aux, sync_dist=True, on_step=True, on_epoch=False)
             for key, value in expert_load_metrics(self.model, self.strategy_contract.batch_group).items():
                 self.log(key, value, on_step=True, on_epoch=False)  # MoE: max/mean tokens per expert, per layer

@@ -187,6 +187,17 @@ def moe_aux_loss_fits_cp(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -
         )
 
 
+def moe_aux_loss_fits_pp(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """Under pp each MoE layer back-propagates its own share of the auxiliary loss; the pooled loss has none."""
+    moe = getattr(args, "moe", None)
+    if dims.pp > 1 and moe is not None and moe.aux_loss == "pooled" and moe.aux_loss_coef > 0:
+        raise ConfigError(
+            f"model.moe.aux_loss=pooled: not supported with parallel.pp={dims.pp} (it multiplies counts and "
+            f"scores summed over every layer, and the layers sit on different stages); use "
+            f"model.moe.aux_loss=global or sequence, or parallel.pp=1"
+        )
+
+
 def grad_reduce_scatter(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     from lit_titan.strategies.fsdp import PP_LAST_MICROBATCH
 
@@ -285,6 +296,7 @@ CONFIG_RULES = (optimizer, fault_drill, preflight, profiler_windows)
 LAYOUT_RULES = (
     layout_fits_family,
     moe_aux_loss_fits_cp,
+    moe_aux_loss_fits_pp,
     tied_embeddings_without_pipeline,
     grad_reduce_scatter,
     degrees_fit_model,

@@ -20,6 +20,13 @@ Load balancing, chosen by ``MoEArgs``:
 - ``bias_update_rate > 0``: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to
   the scores for selection only, moved by ``update_expert_bias`` after each optimizer step from
   the token counts of the whole step.
+
+The auxiliary loss travels one of two ways. By default the model adds ``moe_aux_loss`` of every
+layer's statistics to the loss it returns. Inside a ``losses_in_backward`` scope (the pipeline
+runner opens one: a stage returns no loss unless it is the last) each layer back-propagates its own
+share itself (``injected_loss.add_to_backward``) and keeps the detached value for logging
+(``take_injected_aux_loss``); the per-layer kinds (``global``, ``sequence``) allow that, the
+``pooled`` one, a product of sums over every layer, does not (the config refuses it with pp > 1).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_titan.models.injected_loss import add_to_backward, backward_scale
 from lit_titan.settings import setting
 
 AUX_LOSSES = ("pooled", "global", "sequence", "none")
@@ -83,6 +91,10 @@ class MoEArgs:
                 "routing weight is 1 and the router never learns; set model.moe.norm_topk_prob=false, "
                 "top_k>1 or aux_loss_coef>0"
             )
+
+    @property
+    def has_aux_loss(self) -> bool:
+        return self.aux_loss != "none" and self.aux_loss_coef > 0
 
 
 def stable_topk(scores: Tensor, k: int) -> Tensor:
@@ -210,6 +222,13 @@ class MoE(nn.Module):
         # The group the global-batch loss sums its counts over (data x context ranks); None: this process.
         self.count_group: dist.ProcessGroup | None = None
         self.stats: dict[str, Tensor | int] = {}
+        # MoE layers in the whole model (set by the model): a layer's share of the mean over layers.
+        self.num_moe_layers = 1
+        # The detached shares this layer back-propagated itself (``losses_in_backward``) and their forwards.
+        # Buffers, updated in place: torch's pipeline stage (2.15) runs a probe forward and backward before the
+        # first micro-batch and restores every buffer afterwards, so the probe leaves nothing here.
+        self.register_buffer("injected_aux", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.register_buffer("injected_forwards", torch.zeros((), dtype=torch.float32), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         bs, seqlen, dim = x.shape
@@ -225,7 +244,27 @@ class MoE(nn.Module):
         y = torch.zeros_like(flat).index_add_(0, token_of, out.to(flat.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
+        scale = backward_scale()
+        if scale is not None and self.stats:
+            y = self._inject_aux_loss(y, scale)
         return y.view(bs, seqlen, dim)
+
+    def _inject_aux_loss(self, y: Tensor, scale: float) -> Tensor:
+        """Back-propagate this layer's share of the auxiliary loss from here (times ``scale``), not from the
+        model's loss; keep its detached value for the log. The statistics are consumed: ``moe_aux_loss``
+        then finds none, so the last stage does not add the share a second time."""
+        if self.args.aux_loss == "pooled":
+            raise RuntimeError(
+                "model.moe.aux_loss=pooled: a product of sums over every MoE layer, which a layer cannot "
+                "back-propagate alone (pipeline stages); use model.moe.aux_loss=global or sequence"
+            )
+        share = self.args.aux_loss_coef * layer_aux_loss(self) / self.num_moe_layers
+        self.stats = {}
+        # once per forward: a forward recomputed by activation checkpointing runs inside backward
+        if torch._C._current_graph_task_id() == -1:
+            self.injected_aux += share.detach().to(self.injected_aux.dtype)
+            self.injected_forwards += 1
+        return add_to_backward(y, share, scale)
 
     def run_experts(self, x: Tensor, counts: Tensor, weights: Tensor) -> Tensor:
         """Tokens sorted by expert -> their outputs times their routing ``weights`` [n, 1], in the same order;
@@ -269,6 +308,18 @@ def sequence_aux_loss(scores: Tensor, indices: Tensor) -> Tensor:
     return (f * p).sum(-1).mean()
 
 
+def layer_aux_loss(m: MoE) -> Tensor:
+    """One layer's loss (no coefficient) from its last forward's statistics, for the per-layer kinds.
+
+    global: E * sum_e (global counts / global rows) * (prob_sum / rows); sequence: the layer's sequence-wise loss.
+    """
+    if m.args.aux_loss == "sequence":
+        return m.stats["seq_loss"]
+    counts = m.stats.get("global_counts", m.stats["counts"])
+    rows = m.stats.get("global_rows", m.stats["rows"])
+    return m.args.num_experts * ((counts / rows) * (m.stats["prob_sum"] / m.stats["rows"])).sum()
+
+
 def moe_aux_loss(layers: list[MoE]) -> Tensor | None:
     """The auxiliary loss (times its coefficient) from the last forward of ``layers``; None if there is none.
 
@@ -280,21 +331,27 @@ def moe_aux_loss(layers: list[MoE]) -> Tensor | None:
     if not active:
         return None
     args = active[0].args
-    if args.aux_loss == "sequence":
-        loss = torch.stack([m.stats["seq_loss"] for m in active]).mean()
-    elif args.aux_loss == "pooled":
+    if args.aux_loss == "pooled":
         rows = sum(m.stats["rows"] for m in active)
         counts = torch.stack([m.stats["counts"] for m in active]).sum(0)
         probs = torch.stack([m.stats["prob_sum"] for m in active]).sum(0)
         loss = args.num_experts * ((counts / rows) * (probs / rows)).sum()
     else:
-        per_layer = []
-        for m in active:
-            counts = m.stats.get("global_counts", m.stats["counts"])
-            rows = m.stats.get("global_rows", m.stats["rows"])
-            per_layer.append(args.num_experts * ((counts / rows) * (m.stats["prob_sum"] / m.stats["rows"])).sum())
-        loss = torch.stack(per_layer).mean()
+        loss = torch.stack([layer_aux_loss(m) for m in active]).mean()
     return args.aux_loss_coef * loss
+
+
+def take_injected_aux_loss(model: nn.Module, device: torch.device) -> Tensor:
+    """This rank's part of the auxiliary loss its layers back-propagated themselves since the last call: the
+    sum over its MoE layers of each one's mean share over its forwards (zero without any), for the log. The
+    stages' parts sum (over the pipeline group) to the loss ``moe_aux_loss`` gives one forward of the model."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for m in model.modules():
+        if isinstance(m, MoE):  # a layer without forwards adds 0 / 1 (no host sync to ask)
+            total = total + (m.injected_aux / m.injected_forwards.clamp(min=1)).to(device)
+            m.injected_aux.zero_()
+            m.injected_forwards.zero_()
+    return total
 
 
 @torch.no_grad()

@@ -128,6 +128,9 @@ def enumerate_layouts(
     experts = num_experts(args)
     out: list[Candidate] = []
     n_units = args.n_layers + 2
+    # the pooled MoE auxiliary loss has no per-stage share (config/rules.py: moe_aux_loss_fits_pp)
+    moe = getattr(args, "moe", None)
+    no_pp = plan.pipeline_units is None or (moe is not None and moe.aux_loss == "pooled" and moe.aux_loss_coef > 0)
     for tp in divisors(world):
         if tp > max(gpus_per_node, 1) or args.n_heads % tp or args.kv_heads % tp or seq_len % tp:
             continue
@@ -135,7 +138,7 @@ def enumerate_layouts(
             if cp > 1 and (seq_len % (2 * cp * tp) or plan.attention_cores is None):
                 continue
             for pp in divisors(world // (tp * cp)):
-                if pp > n_units or (pp > 1 and plan.pipeline_units is None):
+                if pp > n_units or (pp > 1 and no_pp):
                     continue
                 for dpr in divisors(world // (tp * cp * pp)):
                     dps = world // (tp * cp * pp * dpr)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lit_titan.models.injected_loss import losses_in_backward
 from lit_titan.strategies.parallel_dims import LayoutError
 from lit_titan.strategies.settings import LOOPED, PP_SCHEDULES, SINGLE_STAGE, V_SHAPED
 
@@ -249,7 +250,10 @@ class PipelineRunner:
         )
         losses: list[Tensor] = []
         kwargs = {**(model_kwargs or {}), **({"labels": labels} if loss_in_model else {})}
-        self.schedule.step(inputs, target=labels, losses=losses, **kwargs, **self._step_kwargs)
+        # Loss terms made inside a stage (an MoE layer's auxiliary loss) cannot reach the last stage's loss:
+        # their layers back-propagate them with the scale the returned loss gets (models/injected_loss.py).
+        with losses_in_backward(self._scale):
+            self.schedule.step(inputs, target=labels, losses=losses, **kwargs, **self._step_kwargs)
         return self._mean_loss(losses, sum_over_stages)
 
     @torch.no_grad()

@@ -7,8 +7,9 @@ expert bias), in the parity regime of
 (``ep_parity_reference``, shared with the EP mutants of test_mutants.py). Each case is the training entry
 point in a reused gloo world with the dump of every pre-clip gradient (router and experts included), the clip
 norm and the weights plus the expert bias after steps 0, 4 and 7; the logged auxiliary loss is compared too.
-Pipeline parallel is not in the list: the qwen3_moe family's ``ParallelPlan`` has no PP plan yet, and refuses
-it (docs/moe.md). ep2 x tp2 splits the experts over ep x tp (each tp rank dispatching its share of the tokens).
+Under pipeline parallel (``pp2...`` cases) each stage's MoE layers back-propagate their own share of the
+auxiliary loss and update their own expert biases (docs/moe.md). ep2 x tp2 splits the experts over ep x tp (each tp
+rank dispatching its share of the tokens).
 """
 
 import pytest
@@ -23,6 +24,7 @@ from parity import (
     TOL,
     check_case,
     load_dumps,
+    measure,
     run_ep_case,
     run_layout,
     run_reference,
@@ -103,3 +105,13 @@ def test_resume_from_ep2xdp2_under_another_ep(layout, ep2xdp2_run, ep_parity_ref
     assert checkpoint.is_dir()
     got = run_layout(worlds, [*MOE, *layout, f"resume={checkpoint}"], tmp_path, steps=DUMP_STEPS[1:])
     check_ep_case(f"resume_{layout[-1]}", ep_parity_reference, got)
+
+
+def test_pipeline_aux_loss_mutant_is_caught_with_a_10x_margin(sequence_aux_reference, tmp_path, worlds):
+    """The MoE layers' auxiliary loss back-propagated without the pipeline's loss scale (``pp_aux_loss_unscaled``,
+    tests/support/mutants/) fails the interleaved pp2 case by at least 10x the tolerance."""
+    case = "pp2_Interleaved1F1B_accum2"
+    report = measure(case, sequence_aux_reference, run_ep_case(worlds, case, tmp_path, mutant="pp_aux_loss_unscaled"))
+    ratio, what = report.margin(TOL)
+    print(f"pp_aux_loss_unscaled: caught at {ratio:.3g}x ({what})")
+    assert ratio >= 10, f"pp_aux_loss_unscaled caught at {ratio:.3g}x only ({what})"

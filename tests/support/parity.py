@@ -439,6 +439,17 @@ EP_CASES: dict[str, list[str]] = {
     "cp2xep2": ["cluster.devices=2", "parallel.cp=2", "parallel.ep=2"],
     # the experts split over ep x tp = 4 ranks, each tp rank dispatching half of the routed tokens
     "ep2xtp2": ["cluster.devices=4", "parallel.tp=2", "parallel.ep=2"],
+    # pipeline: every MoE layer back-propagates its own share of the auxiliary loss (models/injected_loss.py);
+    # pipeline micro-batches split the batch as accumulation does, hence the sequence-wise loss. An interleaved
+    # schedule (4 stages: embedding | layer 0 | layer 1 | head) with accumulation, and a flat one with ep.
+    "pp2_Interleaved1F1B_accum2": [
+        "cluster.devices=2",
+        "parallel.pp=2",
+        "parallel.pp_schedule=Interleaved1F1B",
+        "data.micro_batch_size=4",
+        *SEQUENCE_AUX,
+    ],
+    "pp2xep2": ["cluster.devices=4", "parallel.pp=2", "parallel.ep=2", *SEQUENCE_AUX],
 }
 
 

@@ -98,6 +98,9 @@ class Qwen3MoE(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         # The last training forward's auxiliary loss (coefficient included), detached, for logging.
         self.last_aux_loss: Tensor | None = None
+        # Each layer's share of the mean over layers, when it back-propagates its own (pipeline stages).
+        for m in self.moe_layers():
+            m.num_moe_layers = len(self.moe_layers())
 
     def moe_layers(self) -> list[MoE]:
         return [layer.moe for layer in self.layers.values() if layer.moe is not None]
@@ -112,7 +115,8 @@ class Qwen3MoE(nn.Module):
         """As the Llama model's forward; with ``labels`` the loss includes the router's auxiliary loss.
 
         The auxiliary loss is added where the loss is made (this forward, with the head), from the
-        statistics every MoE layer of this forward left behind.
+        statistics every MoE layer of this forward left behind. Inside ``losses_in_backward`` (a pipeline
+        stage) each layer back-propagated its share itself and left none: the loss is the head's alone.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
@@ -163,6 +167,8 @@ class Qwen3MoE(nn.Module):
         for m in self.moe_layers():
             m.expert_bias = torch.zeros(m.args.num_experts, dtype=torch.float32, device=device)
             m.tokens_per_expert = torch.zeros(m.args.num_experts, dtype=torch.float32, device=device)
+            m.injected_aux = torch.zeros((), dtype=torch.float32, device=device)
+            m.injected_forwards = torch.zeros((), dtype=torch.float32, device=device)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:

@@ -17,9 +17,12 @@ expert's hidden width would leave the router's gradient partial over tp (the out
 Context parallel uses Llama's attention cores; the global-batch auxiliary loss then counts over the data x
 context ranks (``MoE.count_group``, set by the strategy; cp2 x ep2 parity in
 tests/parity/test_expert_parallel.py). The sequence-wise loss needs whole sequences, so the config refuses it
-with cp > 1 (``config/rules.py: moe_aux_loss_fits_cp``). Not planned yet, so the config refuses it in one
-line: pipeline parallel (no ``pipeline_units``: the auxiliary loss is made on the last stage from every MoE
-layer's statistics, which would have to travel between stages).
+with cp > 1 (``config/rules.py: moe_aux_loss_fits_cp``).
+
+Pipeline parallel: Llama's units (embedding, one per block, norm + head) and stage I/O. No stage but the last
+returns a loss, so under the pipeline runner each MoE layer back-propagates its own share of the auxiliary
+loss (``models/injected_loss.py``); the ``pooled`` loss, a product of sums over all layers, cannot be split so
+and is refused with pp > 1 (``config/rules.py: moe_aux_loss_fits_pp``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from typing import Any
 
 from torch import nn
 
-from lit_titan.models.llama3.parallelize import attention_cores, blocks, fsdp_units, tp_root
+from lit_titan.models.llama3.parallelize import (
+    attention_cores,
+    blocks,
+    fsdp_units,
+    pipeline_units,
+    tp_root,
+    tp_stage_io,
+)
 from lit_titan.models.llama3.parallelize import tp_block as llama_tp_block
 from lit_titan.strategies.parallel_plan import ParallelPlan
 
@@ -103,5 +113,7 @@ QWEN3_MOE_PLAN = ParallelPlan(
     tp_block=tp_block,
     blocks=blocks,
     fsdp_units=fsdp_units,
+    pipeline_units=pipeline_units,
+    tp_stage_io=tp_stage_io,
     attention_cores=attention_cores,
 )

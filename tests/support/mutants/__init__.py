@@ -514,3 +514,16 @@ def _bias_one_rank(p: _Patcher) -> None:
 
     original = module.update_expert_bias
     p.set(module, "update_expert_bias", lambda model, group=None: original(model, None))
+
+
+@mutant(
+    "pp_aux_loss_unscaled",
+    "under pipeline parallel each MoE layer back-propagates its auxiliary loss without the pipeline's loss scale "
+    "(1 / (micro-batches x accumulation))",
+    "models/moe.py: MoE._inject_aux_loss (add_to_backward's scale)",
+)
+def _pp_aux_unscaled(p: _Patcher) -> None:
+    from lit_titan.models import moe
+
+    original = moe.add_to_backward
+    p.set(moe, "add_to_backward", lambda hidden, term, scale: original(hidden, term, 1.0))

@@ -40,7 +40,7 @@ TINY_MOE = {
             "model.moe.norm_topk_prob=true: with top_k=1, softmax scores and no auxiliary loss",
         ),
         (["model.moe.hidden_dim=abc"], "model.moe.hidden_dim=abc: wrong type"),
-        (["cluster.devices=2", "parallel.pp=2"], "parallel.pp=2: the qwen3_moe model family's parallel plan has no"),
+        (["cluster.devices=2", "parallel.pp=2"], "model.moe.aux_loss=pooled: not supported with parallel.pp=2"),
         (["model.name=qwen4"], "model.name=qwen4: not a model flavor; choose model=<one of"),
     ],
 )
@@ -123,5 +123,8 @@ def test_planner_sizes_the_family_and_searches_only_layouts_its_plan_covers():
     one = analytic_layout(args, ParallelDims(world_size=1, dp_shard=1), None, precision="bf16-mixed")
     assert one.params_total == registry.count_params(args)  # memory: every expert
     cands = enumerate_layouts(args, world=8, seq_len=4096, global_batch=64, gpus_per_node=8, fp8=False)
-    assert cands and {c.dims.pp for c in cands} == {1}  # no pipeline units in the family's plan
+    assert cands and {c.dims.pp for c in cands} == {1}  # the flavor's pooled auxiliary loss has no per-stage share
+    per_layer = registry.model_args("qwen3_30b_a3b", moe={"aux_loss": "global"})
+    cands = enumerate_layouts(per_layer, world=8, seq_len=4096, global_batch=64, gpus_per_node=8, fp8=False)
+    assert max(c.dims.pp for c in cands) > 1  # the family's pipeline units
     assert max(c.dims.cp for c in cands) > 1  # its attention cores take context parallel
