@@ -89,12 +89,9 @@ def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, A
 
     Norm weights and biases get no weight decay (as under optim=adamw); the embedding and head do.
     """
-    from lit_titan.models.llama3.model import OutputHead  # the LM head of every family
+    from lit_titan.optim.mup import hidden_matrices
 
-    adam_matrices: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding | OutputHead):
-            adam_matrices.update(id(p) for p in module.parameters(recurse=False))
+    hidden = hidden_matrices(model)
     muon, adam_decay, adam_no_decay, seen = [], [], [], set()
     for p in model.parameters():
         if not p.requires_grad or id(p) in seen:
@@ -102,10 +99,10 @@ def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, A
         seen.add(id(p))
         if p.ndim < 2:
             adam_no_decay.append(p)
-        elif id(p) in adam_matrices:
-            adam_decay.append(p)
-        else:
+        elif id(p) in hidden:
             muon.append(p)
+        else:
+            adam_decay.append(p)
     groups = [
         {"params": muon, "use_muon": True, "weight_decay": weight_decay},
         {"params": adam_decay, "use_muon": False, "weight_decay": weight_decay},

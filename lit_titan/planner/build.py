@@ -57,6 +57,8 @@ class ShardedLayout:
     ac_every_n_layers: int = 2
     float8_layers: int = 0
     compiled: bool = False
+    # of local_numel, the elements of hidden matrices (optim/mup.py's hidden_matrices: Muon's, one state each)
+    local_matrix_numel: int = 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -122,7 +124,11 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
 
         rank_model, views = strategy.parallelize(model, str(cfg.precision))
 
+        from lit_titan.optim.mup import hidden_matrices
+
         local_numel, local_bytes, dtype = 0, 0, torch.float32
+        hidden = hidden_matrices(rank_model)
+        local_matrix_numel = sum(_local(p).numel() for p in rank_model.parameters() if id(p) in hidden)
         examples: dict[str, dict[str, Any]] = {}  # the first embedding, wq and w2 that rank 0 holds
         kinds = ["tok_embeddings.weight", "attention.wq.weight", "feed_forward.w2.weight"]
         for name, p in rank_model.named_parameters():
@@ -167,4 +173,5 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
             ac_every_n_layers=info["ac_every_n_layers"],
             float8_layers=len(f8.converted) if f8 is not None else 0,
             compiled=info["compiled"],
+            local_matrix_numel=local_matrix_numel,
         )
