@@ -183,6 +183,7 @@ def plot(results: dict[str, dict[int, dict[str, list[float]]]], path: Path) -> N
                 )
         ax.set(xscale="log", yscale="log", xlabel="width (model.dim)", title=label)
         ax.set_xticks(widths, [str(w) for w in widths])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0][0].set_ylabel("mean |output| (darker: later step)")
     axes[0][-1].legend(fontsize=7, loc="best")
     fig.tight_layout()

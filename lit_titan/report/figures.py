@@ -59,6 +59,13 @@ METRIC_FIGURES = (
     ("grad_norm", "Gradient norm (before clipping)", "global L2 norm", ("train/grad_norm",)),
     ("tokens_per_s", "Throughput", "tokens/s per device", ("perf/tokens_per_sec_per_device",)),
     ("mfu", "Model FLOPs utilisation", "MFU", ("perf/mfu",)),
+    # optim=muon (optim/muon.py): Moonlight's scaling puts the hidden matrices' near AdamW's ~0.2
+    (
+        "update_rms",
+        "Update RMS per layer group (Muon)",
+        "RMS of the update / lr",
+        tuple(f"optim/update_rms/{g}" for g in ("hidden", "embedding_head", "norms")),
+    ),
 )
 
 
