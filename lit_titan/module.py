@@ -225,6 +225,14 @@ class PretrainModule(L.LightningModule, ModuleContract):
         # override this hook call super().
         forget_logged(self.trainer, "train/")
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Log what the optimizer measured during the step just taken (Muon's update RMS), then forget it."""
+        for optimizer in self.trainer.optimizers:
+            for group, rms in getattr(optimizer, "update_rms", {}).items():
+                self.log(f"optim/update_rms/{group}", rms, on_step=True, on_epoch=False)
+            if getattr(optimizer, "update_rms", None):
+                optimizer.update_rms = {}
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log once per logging step (``trainer.log_every_n_steps``): the step's mean loss, lr, grad norm.
 
@@ -253,6 +261,8 @@ class PretrainModule(L.LightningModule, ModuleContract):
             self.log(
                 "train/tokens_seen", float((self.global_step + 1) * self._tokens_per_step), on_step=True, on_epoch=False
             )
+            # Muon: this step's update RMS per layer group, logged by on_train_batch_end (optim/muon.py)
+            getattr(optimizer, "optimizer", optimizer).measure_update_rms = True
         self._micro_batches = 0  # the next record_train_loss starts a new sum
         # MoE aux-loss-free balancing: the step's forwards are all done, so its token counts are complete
         # (the bias only steers the next forwards' selection: before or after optimizer.step is the same);

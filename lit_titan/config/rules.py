@@ -94,7 +94,7 @@ def optimizer(cfg: DictConfig) -> None:
     from lit_titan.optim.build import check_optim
 
     try:
-        check_optim(str(cfg.optim.get("name", "adamw")), cfg.optim.betas)
+        check_optim(str(cfg.optim.get("name", "adamw")), cfg.optim.betas, mup=bool(cfg.model.get("mup")))
     except ValueError as err:
         raise ConfigError(str(err)) from err
 

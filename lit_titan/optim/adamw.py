@@ -34,8 +34,13 @@ def init_adam_state(state: dict[str, Any], p: Tensor, dtype: torch.dtype | None)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
 
-def adamw_step_(p: Tensor, state: dict[str, Any], group: dict[str, Any], rounding: StateRounding) -> None:
-    """One AdamW update of ``p`` (its local piece) from ``p.grad``; moments upcast to fp32 for the arithmetic."""
+def adamw_step_(
+    p: Tensor, state: dict[str, Any], group: dict[str, Any], rounding: StateRounding, measure: bool = False
+) -> Tensor | None:
+    """One AdamW update of ``p`` (its local piece) from ``p.grad``; moments upcast to fp32 for the arithmetic.
+
+    ``measure``: also return the sum of squares of the update per unit lr (weight decay aside), for its RMS.
+    """
     b1, b2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     w, g = _local(p), _local(_like_param(p.grad, p))
@@ -52,6 +57,7 @@ def adamw_step_(p: Tensor, state: dict[str, Any], group: dict[str, Any], roundin
         w.mul_(1 - lr * wd)
     denom = (v.sqrt() / (1 - b2**t) ** 0.5).add_(eps)  # not sqrt_: with fp32 states v is the state itself
     w.addcdiv_(m.to(w.dtype), denom.to(w.dtype), value=-lr / (1 - b1**t))
+    return (m / denom).square_().sum() / (1 - b1**t) ** 2 if measure else None
 
 
 class AdamW(torch.optim.Optimizer):

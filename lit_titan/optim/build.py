@@ -80,25 +80,32 @@ def adamw_implementation(
     return "foreach" if local and all(t.device.type in supported for t in local) else "for_loop"
 
 
-def check_optim(name: str, betas: Iterable[float]) -> None:
-    """ValueError naming the setting when ``optim.name`` or ``optim.betas`` cannot run."""
+def check_optim(name: str, betas: Iterable[float], mup: bool = False) -> None:
+    """ValueError naming the setting when ``optim.name`` or ``optim.betas`` cannot run (with ``model.mup``)."""
     from lit_titan.optim.lamb import check_betas
+    from lit_titan.optim.mup import LR_EXPONENT
 
     if name not in OPTIMIZERS:
         raise ValueError(f"optim.name={name!r} is not an optimizer here; use optim=adamw, optim=lamb or optim=muon")
+    if mup and name not in LR_EXPONENT:
+        # LAMB's trust ratio rescales every layer's update to its weight norm: no published muP rule
+        raise ValueError(
+            f"optim.name={name}: model.mup=true has no per-layer lr rule for it; use optim=adamw or optim=muon"
+        )
     check_betas(betas)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     from lit_titan.optim.low_precision import state_dtype
+    from lit_titan.optim.mup import apply_mup_lr, width_multiplier
 
-    check_optim(cfg.name, cfg.betas)
+    check_optim(cfg.name, cfg.betas, mup=width_multiplier(model) is not None)
     dtype = state_dtype(cfg.state_dtype)
     if cfg.name == "muon":
         from lit_titan.optim.muon import Muon, muon_param_groups
 
         return Muon(
-            muon_param_groups(model, cfg.weight_decay),
+            apply_mup_lr(muon_param_groups(model, cfg.weight_decay), model, cfg.name, cfg.lr),
             lr=cfg.lr,
             momentum=cfg.momentum,
             nesterov=cfg.nesterov,
@@ -107,7 +114,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
             eps=cfg.eps,
             state_dtype=dtype,
         )
-    groups = param_groups(model, cfg.weight_decay)
+    groups = apply_mup_lr(param_groups(model, cfg.weight_decay), model, cfg.name, cfg.lr)
     if cfg.name == "lamb":
         from lit_titan.optim.lamb import Lamb
 

@@ -89,12 +89,9 @@ def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, A
 
     Norm weights and biases get no weight decay (as under optim=adamw); the embedding and head do.
     """
-    from lit_titan.models.llama3.model import OutputHead  # the LM head of every family
+    from lit_titan.optim.mup import hidden_matrices
 
-    adam_matrices: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding | OutputHead):
-            adam_matrices.update(id(p) for p in module.parameters(recurse=False))
+    hidden = hidden_matrices(model)
     muon, adam_decay, adam_no_decay, seen = [], [], [], set()
     for p in model.parameters():
         if not p.requires_grad or id(p) in seen:
@@ -102,10 +99,10 @@ def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, A
         seen.add(id(p))
         if p.ndim < 2:
             adam_no_decay.append(p)
-        elif id(p) in adam_matrices:
-            adam_decay.append(p)
-        else:
+        elif id(p) in hidden:
             muon.append(p)
+        else:
+            adam_decay.append(p)
     groups = [
         {"params": muon, "use_muon": True, "weight_decay": weight_decay},
         {"params": adam_decay, "use_muon": False, "weight_decay": weight_decay},
@@ -114,11 +111,22 @@ def muon_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, A
     return [g for g in groups if g["params"]]
 
 
+# the layer groups whose update RMS a step measures (``Muon.measure_update_rms``)
+UPDATE_GROUPS = ("hidden", "embedding_head", "norms")
+
+
 class Muon(torch.optim.Optimizer):
     """Muon on the groups with ``use_muon=True``, AdamW (same lr schedule) on the others.
 
     ``state_dtype``: the dtype of Muon's momentum and AdamW's moments (None: the parameter's; bf16:
     stochastic rounding).
+
+    Set ``measure_update_rms = True`` before a step (the module does on logging steps) and the step
+    fills ``update_rms``: per layer group (``UPDATE_GROUPS``: Muon's hidden matrices, AdamW's embedding
+    and head, the norms) the RMS of the update per unit lr, weight decay aside: Moonlight's scaling
+    makes the first ~0.2, AdamW's typical value, which the run report shows. Sums over this rank's
+    pieces of sharded parameters (no communication: FSDP/TP shards are alike, so rank 0's figure
+    stands for the whole). One extra reduction per parameter on those steps only.
     """
 
     def __init__(
@@ -149,6 +157,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.state_dtype = state_dtype
         self._rounding = StateRounding()
+        self.measure_update_rms = False
+        self.update_rms: dict[str, Tensor] = {}
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
@@ -156,7 +166,8 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        first = True
+        first, measure = True, self.measure_update_rms
+        sums: dict[str, list] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -172,12 +183,19 @@ class Muon(torch.optim.Optimizer):
                     self._rounding.start_step(int(state["step"]))
                     first = False
                 if group["use_muon"]:
-                    self._muon_step(p, state, group)
+                    sumsq = self._muon_step(p, state, group, measure)
                 else:
-                    adamw_step_(p, state, group, self._rounding)
+                    sumsq = adamw_step_(p, state, group, self._rounding, measure)
+                if measure:
+                    label = "hidden" if group["use_muon"] else "norms" if p.ndim < 2 else "embedding_head"
+                    total = sums.setdefault(label, [0.0, 0])
+                    total[0], total[1] = total[0] + sumsq, total[1] + _local(p).numel()
+        if measure:
+            self.update_rms = {k: (sq / max(n, 1)).sqrt() for k, (sq, n) in sums.items()}
+            self.measure_update_rms = False
         return loss
 
-    def _muon_step(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    def _muon_step(self, p: Tensor, state: dict[str, Any], group: dict[str, Any], measure: bool) -> Tensor | None:
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
         state["step"] += 1
         w, g = _local(p), _local(_like_param(p.grad, p)).float()
@@ -189,6 +207,15 @@ class Muon(torch.optim.Optimizer):
         if wd != 0:
             w.mul_(1 - lr * wd)
         w.add_(update.to(w.dtype), alpha=-lr)
+        return update.float().square().sum() if measure else None
 
 
-__all__ = ["NS_COEFFICIENTS", "Muon", "muon_param_groups", "newton_schulz", "orthogonalised_update", "update_scale"]
+__all__ = [
+    "NS_COEFFICIENTS",
+    "UPDATE_GROUPS",
+    "Muon",
+    "muon_param_groups",
+    "newton_schulz",
+    "orthogonalised_update",
+    "update_scale",
+]

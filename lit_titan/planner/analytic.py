@@ -11,6 +11,8 @@ candidates are then confirmed with the real build (``search.confirm``), and
 
 from __future__ import annotations
 
+import functools
+
 from lit_titan.planner.build import ShardedLayout
 from lit_titan.planner.moe import routed_expert_numel
 from lit_titan.strategies.parallel_dims import ParallelDims
@@ -27,6 +29,21 @@ def module_numel(args) -> dict[str, tuple[int, int]]:
     for k in range(args.n_layers):
         out[f"layers.{k}"] = layer_numel(args, k)
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def block_vector_numel(args) -> int:
+    """A block's elements in parameters of fewer than two dims (norm weights), from a one-block meta build
+    (no family declares them; every block of a family has the same norms, MoE or dense)."""
+    import dataclasses
+
+    import torch
+
+    from lit_titan.models.registry import build_model
+
+    with torch.device("meta"):
+        model = build_model(dataclasses.replace(args, n_layers=1))
+    return sum(p.numel() for p in model.layers["0"].parameters() if p.ndim < 2)
 
 
 def analytic_layout(
@@ -70,6 +87,8 @@ def analytic_layout(
 
     mods0 = per_rank_mods[0]
     local_numel = local(mods0)
+    # a block's hidden matrices (Muon's, one state each): all but its vectors (norms: TP keeps them whole)
+    vectors = block_vector_numel(args)
     elem = 2 if precision == "bf16-true" else 4
     # FSDP units: each block, the embedding, [norm, output]; gathered over dp_shard*cp, per tp rank.
     # With ep > 1 a block's routed experts are a unit of their own, gathered over efsdp: 1/ep of them.
@@ -101,6 +120,7 @@ def analytic_layout(
         float8_layers=int(float8) * args.n_layers * 7,
         compiled=False,
         expert_numel=sum(local_experts(m) for m in mods0),
+        local_matrix_numel=sum(local([m]) - -(-vectors // fsdp) for m in mods0 if m.startswith("layers.")),
     )
 
 

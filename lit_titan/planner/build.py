@@ -58,6 +58,8 @@ class ShardedLayout:
     float8_layers: int = 0
     compiled: bool = False
     expert_numel: int = 0  # of local_numel, the routed experts' (expert parallel shards them; planner/moe.py)
+    # of local_numel, the elements of hidden matrices (optim/mup.py's hidden_matrices: Muon's, one state each)
+    local_matrix_numel: int = 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -123,7 +125,11 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
 
         rank_model, views = strategy.parallelize(model, str(cfg.precision))
 
+        from lit_titan.optim.mup import hidden_matrices
+
         local_numel, local_bytes, dtype = 0, 0, torch.float32
+        hidden = hidden_matrices(rank_model)
+        local_matrix_numel = sum(_local(p).numel() for p in rank_model.parameters() if id(p) in hidden)
         examples: dict[str, dict[str, Any]] = {}  # the first embedding, wq and w2 that rank 0 holds
         kinds = ["tok_embeddings.weight", "attention.wq.weight", "feed_forward.w2.weight"]
         for name, p in rank_model.named_parameters():
@@ -176,4 +182,5 @@ def build_layout(cfg, model_args, dims: ParallelDims, callbacks: list) -> Sharde
             float8_layers=len(f8.converted) if f8 is not None else 0,
             compiled=info["compiled"],
             expert_numel=expert_numel,
+            local_matrix_numel=local_matrix_numel,
         )

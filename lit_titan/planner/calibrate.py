@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from lit_titan.errors import ConfigError
 from lit_titan.planner import estimate
 from lit_titan.planner.estimate import Efficiencies
+from lit_titan.planner.optimizer_state import optimizer_states
 
 SKIP_STEPS = 2  # first steps: process start-up, allocator warm-up, compilation
 
@@ -198,6 +199,7 @@ def predict_memory(cfg) -> int:
         loss_chunk_tokens=_loss_chunk(cfg, s["args"]),
         document_masking=bool((cfg.get("data") or {}).get("document_masking", False)),
         cp_mode=s["cp_mode"],
+        optimizer_states=optimizer_states(cfg),
     )["max_total_bytes"]
 
 

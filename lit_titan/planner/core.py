@@ -138,6 +138,7 @@ def make_plan_from_cfg(
     # ---- memory (measured states + estimated activations and buffers), estimate.rank_memory ------
     from lit_titan.job.settings import LossConfig
     from lit_titan.models.loss import resolve_chunk_tokens
+    from lit_titan.planner.optimizer_state import optimizer_states
 
     loss_chunk = resolve_chunk_tokens(
         (cfg.get("loss") or {}).get("chunk_tokens", LossConfig().chunk_tokens), args.vocab_size
@@ -156,7 +157,7 @@ def make_plan_from_cfg(
         grad_reduce_scatter=grad_reduce_scatter,
         loss_chunk_tokens=loss_chunk,
         document_masking=bool((cfg.get("data") or {}).get("document_masking", False)),
-        optimizer_state_elem_bytes=2 if (cfg.get("optim") or {}).get("state_dtype") == "bf16" else None,
+        optimizer_states=optimizer_states(cfg),
         cp_mode=cp_mode,
     )
     param_bytes, grad_bytes, optimizer_bytes = mem["param_bytes"], mem["grad_bytes"], mem["optimizer_bytes"]

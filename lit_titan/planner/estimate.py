@@ -21,6 +21,7 @@ from typing import Any
 from lit_titan.data.batch_layout import BatchLayout
 from lit_titan.observe.throughput import peak_flops  # noqa: F401 - also this module's API
 from lit_titan.planner import cp_modes, moe
+from lit_titan.planner.optimizer_state import OptimizerStates
 
 GIB = 1024**3
 
@@ -435,13 +436,13 @@ def rank_memory(
     grad_reduce_scatter: str,
     loss_chunk_tokens: int = 0,
     document_masking: bool = False,
-    optimizer_state_elem_bytes: int | None = None,
+    optimizer_states: OptimizerStates | None = None,
     cp_mode: str = "allgather",
 ) -> dict[str, Any]:
     """Per-rank memory of a layout: rank 0's breakdown, every pipeline rank's total, and the maximum.
 
-    ``optimizer_state_elem_bytes``: bytes per element of the two moments (2 with ``optim.state_dtype=bf16``);
-    None: the parameters' own. Muon keeps one state, not two, for its matrices: counted as two (an upper bound).
+    ``optimizer_states``: the optimizer and its state dtype (``planner/optimizer_state.py``; None: AdamW with
+    states in the parameters' dtype).
 
     One function for both the one-layout plan (``layout`` measured on the meta model) and the search
     (``layout`` from :func:`lit_titan.planner.analytic.analytic_layout`), so the two cannot disagree.
@@ -451,8 +452,9 @@ def rank_memory(
     grad_bytes = gradient_bytes(
         layout, dims, precision, param_bytes, accumulation=accumulation, grad_reduce_scatter=grad_reduce_scatter
     )
-    # AdamW: exp_avg and exp_avg_sq, same dtype as the parameter unless the states have their own
-    optimizer_bytes = 2 * layout.local_numel * (optimizer_state_elem_bytes or state_elem)
+    optimizer_bytes = (optimizer_states or OptimizerStates()).bytes(
+        layout.local_numel, layout.local_matrix_numel, state_elem
+    )
     buffers = fsdp_buffer_bytes(layout, dims, precision, reshard_after_forward)
 
     def acts(layers: int, has_output: bool) -> dict[str, Any]:

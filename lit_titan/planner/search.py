@@ -32,6 +32,7 @@ from lit_titan.errors import ConfigError
 from lit_titan.planner import cp_modes, estimate
 from lit_titan.planner.analytic import analytic_layout
 from lit_titan.planner.estimate import GIB, HBM_RESERVE_GIB
+from lit_titan.planner.optimizer_state import OptimizerStates, optimizer_states
 from lit_titan.strategies.parallel_dims import ParallelDims
 from lit_titan.strategies.pipeline import PipelineConfig
 
@@ -205,6 +206,7 @@ def evaluate(
     optimizer: str,
     reshard_after_forward: bool = True,
     loss_chunk_tokens: int = 0,
+    optimizer_states: OptimizerStates | None = None,
 ) -> None:
     """Fill each candidate's memory and (when it fits) predicted step; layouts are built once per mesh."""
     layouts: dict[tuple, Any] = {}
@@ -229,6 +231,7 @@ def evaluate(
             grad_reduce_scatter=c.grad_reduce_scatter,
             loss_chunk_tokens=loss_chunk_tokens,
             cp_mode=c.cp_mode,
+            optimizer_states=optimizer_states,
         )
         if capacity is not None and c.memory["max_total_bytes"] > capacity:
             continue
@@ -305,6 +308,7 @@ def search(
         eff=eff,
         optimizer=optimizer,
         loss_chunk_tokens=loss_chunk,
+        optimizer_states=optimizer_states(cfg),
     )
     fitting = sorted(
         (c for c in cands if c.perf), key=lambda c: (-c.tokens_per_sec, c.float8, c.memory["max_total_bytes"])

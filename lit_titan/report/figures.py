@@ -60,6 +60,13 @@ METRIC_FIGURES = (
     ("tokens_per_s", "Throughput", "tokens/s per device", ("perf/tokens_per_sec_per_device",)),
     ("mfu", "Model FLOPs utilisation", "MFU", ("perf/mfu",)),
     ("aux_loss", "MoE auxiliary (load-balancing) loss", "loss", ("train/aux_loss",)),
+    # optim=muon (optim/muon.py): Moonlight's scaling puts the hidden matrices' near AdamW's ~0.2
+    (
+        "update_rms",
+        "Update RMS per layer group (Muon)",
+        "RMS of the update / lr",
+        tuple(f"optim/update_rms/{g}" for g in ("hidden", "embedding_head", "norms")),
+    ),
 )
 
 

@@ -9,11 +9,26 @@ losses), one shared one-process Muon reference (its hidden matrices on Muon, the
 norms on AdamW).
 """
 
+import html
+import json
+import re
+
 import pytest
 import torch
 
 from helpers import losses, read_metrics
-from parity import PARITY, RESUME_STEP, STEPS, TOL, check_case, measure, run_dump, run_reference
+from parity import (
+    MIN_LOSS_DROP,
+    PARITY,
+    RESUME_STEP,
+    STEPS,
+    TOL,
+    check_case,
+    measure,
+    norms,
+    run_dump,
+    run_reference,
+)
 
 pytestmark = [pytest.mark.parity, pytest.mark.slow]
 
@@ -91,3 +106,41 @@ def test_muon_bf16_states_under_dp2_tp2_save_and_resume_on_one_process(reference
     worst_resumed = max(abs(a - b) / b for a, b in zip(res, run[RESUME_STEP:]))
     print(f"bf16 states: losses vs fp32 {worst:.2g}, resumed vs uninterrupted {worst_resumed:.2g}")
     assert 0 < worst < BF16_LOSS and worst_resumed < BF16_LOSS
+
+
+def test_mup_dp2_tp2_matches_single_process(tmp_path, worlds):
+    """model.mup at twice the base width under FSDP x TP: the per-group lrs (Muon's matrices at lr / sqrt(2),
+    AdamW's embedding, head and norms at lr), the halved logits and the attention scale, against one process
+    with the same settings. lr 5e-2 (at 2e-2 the loss fell by 0.36 only in the 8 steps) and clipping at 0.2:
+    muP's halved logits give gradient norms of 0.28-0.32 (seen), under parity.CLIP at some steps."""
+    clip = 0.2
+    mup = [*MUON, "optim.lr=5e-2", "model.mup=true", "model.mup_base_width=32", "checkpoint.enabled=false"]
+    mup.append(f"trainer.gradient_clip_val={clip}")
+    reference = run_dump(worlds, [*PARITY, *mup, "cluster.devices=1"], tmp_path / "single")
+    run_dump(worlds, [*PARITY, *mup, "cluster.devices=4", "parallel.tp=2"], tmp_path / "dp2_tp2")
+    ref_losses = losses(reference)
+    assert ref_losses[0] - ref_losses[-1] >= MIN_LOSS_DROP, ref_losses
+    assert min(norms(reference / "dump").values()) > clip, "clipping never engaged in the reference"
+    ratio, what = measure("mup_muon_dp2_tp2", reference, tmp_path / "dp2_tp2").margin(TOL)
+    assert ratio <= 1.0, f"muP under dp2 x tp2: parity broken: {what}"
+
+
+def test_the_report_plots_muons_update_rms_per_layer_group(reference, tmp_path):
+    """The one-process Muon run's metrics hold optim/update_rms/<group> at every logged step (measured during
+    that step's update), and its report draws them: the hidden matrices' near AdamW's ~0.2 (Moonlight's
+    scaling; seen 0.17-0.2), AdamW's groups about 1 or less (m_hat / sqrt(v_hat), 1 at the first step)."""
+    import shutil
+
+    from lit_titan.report import make_report
+
+    rows = [r for r in read_metrics(reference) if r.get("optim/update_rms/hidden")]
+    assert len(rows) == STEPS, rows
+    run = tmp_path / "run"
+    shutil.copytree(reference, run, ignore=shutil.ignore_patterns("report.html", "checkpoints", "dump"))
+    page = make_report(run).read_text()
+    found = re.search(r"<figure id='fig-update_rms' data-series=\"([^\"]*)\">", page)
+    series = json.loads(html.unescape(found.group(1)))["series"]
+    assert set(series) == {f"optim/update_rms/{g}" for g in ("hidden", "embedding_head", "norms")}, set(series)
+    hidden = series["optim/update_rms/hidden"]["y"]
+    assert len(hidden) == STEPS and all(0.1 < v < 0.3 for v in hidden), hidden
+    assert all(0 < v < 1.5 for g in ("embedding_head", "norms") for v in series[f"optim/update_rms/{g}"]["y"])

@@ -44,6 +44,10 @@ class ModelArgs:
     sliding_window: int | None = setting(None, ge=1)
     # With a window: None = every layer windowed; K = every K-th layer (index K-1, 2K-1, ...) stays global.
     window_pattern: int | None = setting(None, ge=1)
+    # muP (models/mup.py): hidden init, per-layer lr, logit and attention scales follow the width multiplier
+    # dim / mup_base_width, so an lr tuned at the base width transfers; base width = dim is the standard model
+    mup: bool = setting(False)
+    mup_base_width: int | None = setting(None, ge=1)
 
     @property
     def kv_heads(self) -> int:
@@ -60,6 +64,11 @@ class ModelArgs:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def width_multiplier(self) -> float:
+        """muP's m = dim / mup_base_width (1.0 without muP: the standard parametrisation)."""
+        return self.dim / self.mup_base_width if self.mup and self.mup_base_width else 1.0
 
     def window_of(self, layer: int) -> int | None:
         """The attention window of block ``layer`` (None: full causal)."""
@@ -88,6 +97,11 @@ class ModelArgs:
             raise ValueError(f"model.sliding_window={self.sliding_window} must be >= 1 (or null for full attention)")
         if self.window_pattern is not None and self.window_pattern < 1:
             raise ValueError(f"model.window_pattern={self.window_pattern} must be >= 1 (or null: every layer windowed)")
+        if self.mup and self.mup_base_width is None:
+            raise ValueError(
+                "model.mup=true: needs model.mup_base_width, the width (model.dim) the learning rate was tuned "
+                "at; set e.g. model.mup_base_width=256 (= model.dim: the standard parametrisation)"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
 

@@ -283,6 +283,11 @@ def check_hf_expressible(args: ModelArgs, where: str) -> None:
             f"{where}: model.parallel_block=true has no Hugging Face Llama equivalent (HF's block is "
             f"sequential, with two norms); set model.parallel_block=false"
         )
+    if args.mup and args.width_multiplier != 1.0:
+        raise ConfigError(
+            f"{where}: model.mup=true with model.mup_base_width={args.mup_base_width} != model.dim={args.dim} "
+            f"scales logits and attention, which Hugging Face Llama does not; set model.mup=false"
+        )
     if args.sliding_window is not None:
         raise ConfigError(
             f"{where}: model.sliding_window={args.sliding_window} has no Hugging Face Llama equivalent "

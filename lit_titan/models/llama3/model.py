@@ -85,6 +85,9 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, window: int | None = None) -> None:
         super().__init__()
         self.head_dim = args.head_dim
+        # muP's attention scale sqrt(d_base)/d instead of 1/sqrt(d) (d: head dim, n_heads fixed across widths),
+        # applied to q so that every attention core (SDPA, flex, context parallelism's) keeps its default
+        self.q_scale = args.width_multiplier**-0.5
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
@@ -98,6 +101,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # No mask argument for plain causal attention: context parallelism's core takes (q, k, v).
         out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
@@ -161,11 +166,16 @@ class OutputHead(nn.Linear):
     setting of the run, not of the architecture (``loss.chunk_tokens``).
     """
 
-    def __init__(self, dim: int, vocab_size: int) -> None:
+    def __init__(self, dim: int, vocab_size: int, logit_scale: float = 1.0) -> None:
         super().__init__(dim, vocab_size, bias=False)
         self.chunk_tokens = 0
+        # muP's output multiplier 1/m, applied to the input (W (h/m) = (W h)/m), so the chunked loss and
+        # loss-parallel TP see ordinary logits of a scaled input
+        self.logit_scale = logit_scale
 
     def forward(self, h: Tensor, labels: Tensor | None = None) -> Tensor:
+        if self.logit_scale != 1.0:
+            h = h * self.logit_scale
         if labels is None:
             return super().forward(h)
         if self.chunk_tokens > 0:
@@ -181,7 +191,7 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, args.window_of(i)) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size)
+        self.output: OutputHead | None = OutputHead(args.dim, args.vocab_size, 1 / args.width_multiplier)
         if args.tie_embeddings:
             self.tie_weights()
         # Not persistent: derived from args, so checkpoints hold only learned weights.
@@ -237,22 +247,30 @@ class Transformer(nn.Module):
 
     # ---- materialisation ------------------------------------------------------------------------
     def init_fn(self, name: str) -> InitFn:
-        """The initialiser of one parameter, by its canonical name (TorchTitan's scheme)."""
+        """The initialiser of one parameter, by its canonical name (TorchTitan's scheme).
+
+        Under muP (``args.mup``) with m = dim / mup_base_width: hidden matrices' std times m^-1/2 (variance
+        1/fan_in), the head's std that of the base width (its logits are divided by m instead): muP
+        paper's Table 3 in the multiplier form of the ``mup`` package's ``MuReadout``. At m = 1 this is
+        the standard parametrisation.
+        """
         args = self.args
+        head_width = args.mup_base_width if args.mup else args.dim
         if name.startswith("tok_embeddings."):
             # Tied, it is also the head: the head's scale keeps the initial logits O(1).
-            return normal(args.dim**-0.5, trunc=3.0) if args.tie_embeddings else normal(1.0)
+            return normal(head_width**-0.5, trunc=3.0) if args.tie_embeddings else normal(1.0)
         if name.startswith("output."):
-            return normal(args.dim**-0.5, trunc=3.0)
+            return normal(head_width**-0.5, trunc=3.0)
         if name.endswith("norm.weight"):
             return ones()
         if name.startswith("layers."):
             layer_id = int(name.split(".")[1])
             depth = layer_id + 1 if args.depth_init else args.n_layers
-            out_std = 0.02 / math.sqrt(2 * depth)
+            hidden = args.width_multiplier**-0.5
+            out_std = hidden * 0.02 / math.sqrt(2 * depth)
             if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")):
                 return normal(out_std, trunc=3.0)
-            return normal(0.02, trunc=3.0)
+            return normal(hidden * 0.02, trunc=3.0)
         raise KeyError(f"no initialiser for parameter {name!r}")
 
     def init_buffers(self, device: torch.device | str) -> None:

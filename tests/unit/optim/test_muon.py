@@ -224,9 +224,22 @@ def test_bf16_states_halve_the_memory_and_train_like_fp32(name, one_thread):
     assert abs(end16 - end32) / end32 < BF16_LOSS_BOUND, (end32, end16)
 
 
-def test_the_planner_counts_bf16_states_at_half():
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_the_planner_counts_the_optimizer_states_it_builds(optim, one_thread):
+    """``lit-titan plan``'s optimizer bytes are the bytes of the states one step creates (Muon: one buffer per
+    hidden matrix, AdamW's two moments for the rest), and half of them with bf16 states."""
+    from lit_titan.config.spec import model_args
     from lit_titan.planner import make_plan_from_cfg
 
-    fp32 = make_plan_from_cfg(compose(list(TINY)))["per_rank"]
-    bf16 = make_plan_from_cfg(compose([*TINY, "optim.state_dtype=bf16"]))["per_rank"]
-    assert fp32["optimizer_bytes"] == 2 * fp32["param_bytes"] == 2 * bf16["optimizer_bytes"]
+    for dtype in ("fp32", "bf16"):
+        cfg = compose([*TINY, f"optim={optim}", f"optim.state_dtype={dtype}"])
+        planned = make_plan_from_cfg(cfg)["per_rank"]["optimizer_bytes"]
+        model = Transformer(model_args(cfg))
+        model.init_weights(seed=0)
+        opt = build_optimizer(model, OptimConfig(name=optim, state_dtype=dtype))
+        model(torch.zeros(1, 8, dtype=torch.long), labels=torch.zeros(1, 8, dtype=torch.long)).backward()
+        opt.step()
+        assert planned == _state_bytes(opt), (dtype, planned, _state_bytes(opt))
+        if dtype == "fp32":
+            fp32 = planned
+    assert planned == fp32 // 2

@@ -269,6 +269,7 @@ def test_analytic_layout_matches_the_meta_build(layout):
     for key in (
         "params_total",
         "local_numel",
+        "local_matrix_numel",
         "local_param_bytes",
         "fsdp_applied",
         "layers_on_rank",
