@@ -1,0 +1,131 @@
+"""Replica-group fault tolerance inside ``TitanStrategy`` and the Lightning loop.
+
+Each replica group is its own ``torch.distributed`` world (``replica_world``): FSDP, the checkpoint
+writer, the metric reductions and every collective Lightning makes on the default group stay inside
+one group, so none of them can wait on a dead group. Only ``ReplicaGroups`` spans the groups, over
+the job's store (which must outlive them: torchrun's agent store, or a launcher's).
+
+Every rank receives the step's whole global batch (one Lightning batch, no Lightning accumulation)
+and ``ReplicaStep.run`` trains the samples ``ReplicaGroups`` assigns it, in micro-batches of
+``data.micro_batch_size`` (the accumulation), then makes the cross-replica sum; when a group died
+it trains that group's samples on top and sums again. Lightning's own backward is skipped
+(``backward_in_training_step``), as under pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lit_titan.fault_tolerance.membership import PREFIX
+from lit_titan.fault_tolerance.replicas import ReplicaGroups, ReplicaLost
+from lit_titan.fault_tolerance.settings import FaultToleranceConfig
+
+UNSUPPORTED = ("pp", "cp", "tp", "ep")  # degrees the step protocol does not span yet (config/rules.py refuses)
+
+
+def store_address() -> tuple[str, int]:
+    """The job's store (``MASTER_ADDR:MASTER_PORT``), hosted outside the ranks so it outlives any group."""
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+
+
+def replica_world(job_rank: int, group_size: int, backend: str, timeout: timedelta) -> tuple[int, int]:
+    """Start this rank's replica group as its own default process group; (replica, rank in the group).
+
+    A group started again after it died rendezvouses under a new prefix (its start count in the
+    store), so it never meets its dead predecessor's keys.
+    """
+    replica, shard = divmod(job_rank, group_size)
+    store = dist.TCPStore(*store_address(), is_master=False, timeout=timeout, wait_for_workers=False)
+    generation = (store.add(f"{PREFIX}starts/{replica}", 1) - 1) // group_size
+    prefixed = dist.PrefixStore(f"{PREFIX}replica{replica}/g{generation}/", store)
+    dist.init_process_group(backend, store=prefixed, rank=shard, world_size=group_size, timeout=timeout)
+    return replica, shard
+
+
+class ReplicaStep:
+    """One rank's training step under replica-group fault tolerance (``ReplicaGroups`` + the module)."""
+
+    def __init__(
+        self,
+        settings: FaultToleranceConfig,
+        replica: int,
+        replicas: int,
+        shard: int,
+        shards: int,
+        timeout_s: float,
+    ) -> None:
+        self.settings, self.timeout_s = settings, timeout_s
+        self.replica, self.replicas, self.shard, self.shards = replica, replicas, shard, shards
+        self.groups: ReplicaGroups | None = None
+        self.micro = 1
+
+    @property
+    def job_rank(self) -> int:
+        return self.replica * self.shards + self.shard
+
+    def start(self, trainer: Any, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Join the cross-replica group (every live group's ranks meet here, once training starts)."""
+        data = trainer.datamodule
+        global_batch = int(data.global_batch_size)
+        self.micro = int(data.ft_micro_batch_size(self.replicas * self.shards))
+        self.groups = ReplicaGroups(
+            store_address(),
+            self.replica,
+            self.replicas,
+            self.shard,
+            self.shards,
+            dist.group.WORLD,
+            global_batch,
+            run_dir=Path(trainer.default_root_dir),
+            timeout_s=self.timeout_s,
+            dead_after_s=self.settings.dead_after_s,
+            heartbeat_s=self.settings.dead_after_s / 10,
+            params=params,
+            optimizer=optimizer,
+        )
+
+    def run(self, module: Any, batch: Any, optimizers: list[torch.optim.Optimizer]) -> Tensor:
+        """Train this rank's samples of the global ``batch``, sum over the replicas; the step's mean loss."""
+        assert self.groups is not None, "ReplicaStep.start runs at on_train_start"
+        tokens, extra = module.unpack_batch(batch)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+
+        def train(samples: list[int]) -> Tensor:
+            """Gradients of the sum of per-sequence losses over ``samples``, micro-batch by micro-batch."""
+            total = torch.zeros((), device=tokens.device)
+            for i in range(0, len(samples), self.micro):
+                rows = samples[i : i + self.micro]
+                inputs, labels = module.split_batch(tokens[rows])
+                loss = module.model_loss(inputs, labels, **{k: v[rows] for k, v in extra.items()}) * len(rows)
+                loss.backward()
+                total = total + loss.detach().float()
+            return total
+
+        loss_sum = train(self.groups.begin_step(module.global_step))
+        grads = [p.grad for p in module.model.parameters() if p.grad is not None]
+        while True:
+            try:
+                loss = self.groups.reduce(grads, loss_sum)
+                break
+            except ReplicaLost:
+                loss_sum = loss_sum + train(self.groups.recover())
+                grads = [p.grad for p in module.model.parameters() if p.grad is not None]
+        module.record_train_loss(loss, module.split_batch(tokens)[0])
+        return loss
+
+    @property
+    def writes_job_files(self) -> bool:
+        """Logs, checkpoints and the run directory's files come from replica group 0's first rank."""
+        return self.job_rank == 0
+
+    def close(self) -> None:
+        if self.groups is not None:
+            self.groups.close()
