@@ -7,6 +7,7 @@ per group rank, ``fault.at_step=5``); group 0 notices in step 5's cross-replica 
 and finishes without a restart. Its losses, pre-clip gradients, clip norm and weights (dumped at steps 0, 4
 and 7) equal the one-process reference's (``parity_reference``). The ranks are forked by
 tests/support/scripts/ft_trainer.py, which hosts the store: two of them must die, so not the reused worlds.
+The run's report shows the fault on its timeline.
 """
 
 from __future__ import annotations
@@ -50,3 +51,9 @@ def test_trainer_survives_a_lost_replica_group_equal_to_one_process(parity_refer
     assert len(lines) == 1 and lines[0].startswith(f"lit-titan: replica group 1 (ranks 2 3) left at step {KILL_STEP};")
     rows = list(csv.DictReader((run / "membership.csv").open()))
     assert [(r["step"], r["event"], r["replicas"], r["members"]) for r in rows] == [(str(KILL_STEP), "left", "1", "0")]
+    # The report shows the fault on the timeline (lit_titan/report/)
+    from lit_titan.report.figures import build_figures
+    from lit_titan.report.runs import load_run
+
+    faults = {f.id: f for f in build_figures([load_run(run)])}["faults"].series["replica groups"]
+    assert faults["x"][:2] == [KILL_STEP, KILL_STEP] and faults["y"][:2] == [2, 1], faults
