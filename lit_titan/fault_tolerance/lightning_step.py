@@ -35,15 +35,25 @@ def store_address() -> tuple[str, int]:
     return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
 
 
-def replica_world(job_rank: int, group_size: int, backend: str, timeout: timedelta) -> tuple[int, int]:
+def replica_world(job_rank: int, group_size: int, replicas: int, backend: str, timeout: timedelta) -> tuple[int, int]:
     """Start this rank's replica group as its own default process group; (replica, rank in the group).
 
-    A group started again after it died rendezvouses under a new prefix (its start count in the
-    store), so it never meets its dead predecessor's keys.
+    A group started again rendezvouses under a new prefix (its start count in the store), so it never
+    meets its predecessor's keys. One started again while the other groups still run their first start
+    is refused in one line: the trainer cannot rejoin it yet (``ReplicaGroups.join`` can; the trainer
+    would have to start its data loader, step counters and LR schedule at the admitted step).
     """
     replica, shard = divmod(job_rank, group_size)
     store = dist.TCPStore(*store_address(), is_master=False, timeout=timeout, wait_for_workers=False)
     generation = (store.add(f"{PREFIX}starts/{replica}", 1) - 1) // group_size
+    if generation > 0:
+        started = [store.add(f"{PREFIX}starts/{r}", 0) for r in range(replicas)]
+        if any(count <= generation * group_size for count in started):  # another group is in an older start
+            raise RuntimeError(
+                f"lit-titan: replica group {replica} started again while the others train: rejoining a running "
+                "trainer is not supported yet (docs/fault_tolerance.md); restart the whole job (resume=auto) "
+                "with a fresh store"
+            )
     prefixed = dist.PrefixStore(f"{PREFIX}replica{replica}/g{generation}/", store)
     dist.init_process_group(backend, store=prefixed, rank=shard, world_size=group_size, timeout=timeout)
     return replica, shard

@@ -308,8 +308,8 @@ class TitanStrategy(ModelParallelStrategy):
 
             size, timeout = self._ft_group_size(), self._timeout or default_pg_timeout
             job_rank = self.node_rank * self.num_processes + self.local_rank
-            replica, shard = replica_world(job_rank, size, self._get_process_group_backend(), timeout)
             replicas = self.job_dims.dp_replicate
+            replica, shard = replica_world(job_rank, size, replicas, self._get_process_group_backend(), timeout)
             self.replica_step = ReplicaStep(
                 self.fault_tolerance, replica, replicas, shard, size, timeout.total_seconds()
             )

@@ -1,6 +1,6 @@
 """The real trainer with ``fault_tolerance.enabled=true``: one forked process per rank, the store in this one.
 
-Run by tests/unit/fault_tolerance/test_ft_trainer.py. ``ft_trainer.py RUN_DIR KILL_STEP OVERRIDE...``: hosts the
+Run by tests/unit/fault_tolerance/test_ft_trainer.py. ``ft_trainer.py RUN_DIR KILL_STEP RESTART OVERRIDE...``: hosts the
 job's TCPStore (as a torchrun agent would: it must outlive the replica groups), forks one rank per process of
 the job, each running the train command in-process with the parity dump
 (``parity.train_case``), as Lightning's LightningEnvironment sees an externally launched rank; each replica group is a "node"
@@ -8,7 +8,8 @@ the job, each running the train command in-process with the parity dump
 group is its own launch. Every rank of
 replica group 1 gets ``fault.kill_rank=<its rank in the group> fault.at_step=KILL_STEP``, so the whole group
 SIGKILLs itself after step KILL_STEP - 1. Replica group 0 dumps to RUN_DIR/dump, group 1 to RUN_DIR/dump-replica1;
-each rank's output in RUN_DIR/rank-N.log; exit codes by rank in RUN_DIR/codes.json.
+each rank's output in RUN_DIR/rank-N.log; exit codes by rank in RUN_DIR/codes.json. RESTART=1: once group 1
+died, start its ranks again (their exit codes follow).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from pathlib import Path
 from helpers import _JOB_ENV_DROP
 
 
-def _rank(run_dir: Path, rank: int, size: int, group: int, port: int, overrides: list[str], dump: Path) -> None:
-    log = os.open(run_dir / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+def _rank(
+    run_dir: Path, rank: int, size: int, group: int, port: int, overrides: list[str], dump: Path, log: str = ""
+) -> None:
+    log = os.open(run_dir / (log or f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(
@@ -45,13 +48,22 @@ def _rank(run_dir: Path, rank: int, size: int, group: int, port: int, overrides:
 def main(argv: list[str]) -> None:
     import multiprocessing
 
+    # Imported once, for every rank (forked): each would otherwise pay them under the machine's load.
+    import lightning.pytorch  # noqa: F401
+    import torch._dynamo  # noqa: F401
     import torch.distributed as dist
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
 
-    import lit_titan.fault_tolerance.lightning_step  # noqa: F401  (imported once, for every rank)
+    import lit_titan.cli.hydra_app  # noqa: F401
+    import lit_titan.fault_tolerance.lightning_step  # noqa: F401
+    import lit_titan.job.run  # noqa: F401
+    import lit_titan.module  # noqa: F401
+    import lit_titan.strategies.strategy  # noqa: F401
     import lit_titan.train  # noqa: F401
     import parity  # noqa: F401
 
-    run_dir, kill_step, overrides = Path(argv[0]), int(argv[1]), argv[2:]
+    run_dir, kill_step, restart, overrides = Path(argv[0]), int(argv[1]), argv[2] == "1", argv[3:]
     run_dir.mkdir(parents=True, exist_ok=True)
     for key in _JOB_ENV_DROP:
         os.environ.pop(key, None)
@@ -69,6 +81,21 @@ def main(argv: list[str]) -> None:
         args = (run_dir, rank, size, group, store.port, [*overrides, *extra], dump)
         procs.append(ctx.Process(target=_rank, args=args))
         procs[-1].start()
+    if restart:  # start replica group 1 again once it died, as a launcher would (logs: rank-N-restarted.log)
+        for proc in procs[group : 2 * group]:
+            proc.join(timeout=300)
+        for rank in range(group, 2 * group):
+            args = (
+                run_dir,
+                rank,
+                size,
+                group,
+                store.port,
+                [*overrides, f"run_dir={run_dir}"],
+                run_dir / "dump-restart",
+            )
+            procs.append(ctx.Process(target=_rank, args=args, kwargs={"log": f"rank-{rank}-restarted.log"}))
+            procs[-1].start()
     for proc in procs:
         proc.join(timeout=300)
         if proc.exitcode is None:

@@ -7,6 +7,7 @@ per group rank, ``fault.at_step=5``); group 0 notices in step 5's cross-replica 
 and finishes without a restart. Its losses, pre-clip gradients, clip norm and weights (dumped at steps 0, 4
 and 7) equal the one-process reference's (``parity_reference``). The ranks are forked by
 tests/support/scripts/ft_trainer.py, which hosts the store: two of them must die, so not the reused worlds.
+The launcher then starts group 1 again: refused in one line (rejoining a running trainer is not done yet).
 The run's report shows the fault on its timeline.
 """
 
@@ -41,11 +42,14 @@ FT = [
 def test_trainer_survives_a_lost_replica_group_equal_to_one_process(parity_reference, tmp_path):
     run = tmp_path / "ft"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, str(SCRIPTS / "ft_trainer.py"), str(run), str(KILL_STEP), *PARITY, *FT]
+    cmd = [sys.executable, str(SCRIPTS / "ft_trainer.py"), str(run), str(KILL_STEP), "1", *PARITY, *FT]
     subprocess.run(cmd, env=env, timeout=400, check=True)
     codes = json.loads((run / "codes.json").read_text())
     logs = {p.name: p.read_text() for p in run.glob("rank-*.log")}
-    assert codes == [0, 0, -9, -9], (codes, {k: v[-3000:] for k, v in logs.items()})
+    assert codes == [0, 0, -9, -9, 1, 1], (codes, {k: v[-3000:] for k, v in logs.items()})
+    # The launcher starts group 1 again: refused in one line (a running trainer cannot rejoin it yet).
+    for rank in (2, 3):
+        assert "replica group 1 started again while the others train" in logs[f"rank-{rank}-restarted.log"]
     check_case("ft_hsdp2x2_accum", parity_reference, run)
     lines = [line for text in logs.values() for line in text.splitlines() if line.startswith("lit-titan: replica")]
     assert len(lines) == 1 and lines[0].startswith(f"lit-titan: replica group 1 (ranks 2 3) left at step {KILL_STEP};")
