@@ -59,6 +59,17 @@ def replica_world(job_rank: int, group_size: int, replicas: int, backend: str, t
     return replica, shard
 
 
+def set_group_ranks(cluster_environment: Any, job_rank: int, group_size: int) -> None:
+    """Lightning's ranks become the replica group's (its world); only the job's rank 0 writes what rank
+    zero writes (logs, the run directory's files)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    cluster_environment.set_global_rank(job_rank % group_size)
+    cluster_environment.set_world_size(group_size)
+    rank_zero_only.rank = fabric_rank_zero_only.rank = job_rank
+
+
 class ReplicaStep:
     """One rank's training step under replica-group fault tolerance (``ReplicaGroups`` + the module)."""
 
@@ -75,6 +86,20 @@ class ReplicaStep:
         self.replica, self.replicas, self.shard, self.shards = replica, replicas, shard, shards
         self.groups: ReplicaGroups | None = None
         self.micro = 1
+
+    @classmethod
+    def start_world(
+        cls,
+        settings: FaultToleranceConfig,
+        job_rank: int,
+        group_size: int,
+        replicas: int,
+        backend: str,
+        timeout: timedelta,
+    ) -> ReplicaStep:
+        """Start this rank's replica group's world (``replica_world``); the step that spans the groups."""
+        replica, shard = replica_world(job_rank, group_size, replicas, backend, timeout)
+        return cls(settings, replica, replicas, shard, group_size, timeout.total_seconds())
 
     @property
     def job_rank(self) -> int:

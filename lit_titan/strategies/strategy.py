@@ -152,24 +152,11 @@ class TitanStrategy(ModelParallelStrategy):
 
     # ---- layout ---------------------------------------------------------------------------------
     def resolve_dims(self) -> ParallelDims:
-        """The job's degrees; under fault tolerance those of one replica group (its own world)."""
-        dims = self._resolve_job_dims()
-        if not self.fault_tolerance.enabled:
-            return dims
-        self.job_dims = dims
-        return ParallelDims.resolve(
-            dims.world_size // dims.dp_replicate, pp=dims.pp, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp, ep=dims.ep
-        )
-
-    def _ft_group_size(self) -> int:
-        replicas = self._resolved_dims.dp_replicate if self._resolved_dims else self._degrees["dp_replicate"]
-        return self.num_nodes * self.num_processes // max(replicas, 1)
-
-    def _resolve_job_dims(self) -> ParallelDims:
         """Resolve and validate the degrees against world size, model and data (no process groups).
 
         The batch split is checked by the datamodule, which knows its data-parallel coordinates.
         Degrees given resolved (``dims=``, a checked JobSpec's) are only held against the world size.
+        Under fault tolerance the job's degrees are checked, those of one replica group returned.
         """
         world = self.num_nodes * self.num_processes if self.fault_tolerance.enabled else self.world_size
         if self._resolved_dims is not None:
@@ -179,7 +166,7 @@ class TitanStrategy(ModelParallelStrategy):
                     f"{self._resolved_dims.world_size} processes, this job has {world}; "
                     f"check cluster.devices x cluster.num_nodes"
                 )
-            return self._resolved_dims
+            return self._replica_group_dims(self._resolved_dims)
         dims = ParallelDims.resolve(world, **self._degrees)
         args = module_contract(self.lightning_module).model_args
         data = self.lightning_module.trainer.datamodule if self.lightning_module is not None else None
@@ -192,7 +179,20 @@ class TitanStrategy(ModelParallelStrategy):
             from lit_titan.models.registry import num_experts
 
             dims.validate_experts(num_experts(args))
-        return dims
+        return self._replica_group_dims(dims)
+
+    def _replica_group_dims(self, dims: ParallelDims) -> ParallelDims:
+        """``dims`` as they are; under fault tolerance those of one replica group (its own world)."""
+        if not self.fault_tolerance.enabled:
+            return dims
+        self.job_dims = dims
+        return ParallelDims.resolve(
+            dims.world_size // dims.dp_replicate, pp=dims.pp, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp, ep=dims.ep
+        )
+
+    def _ft_group_size(self) -> int:
+        replicas = self._resolved_dims.dp_replicate if self._resolved_dims else self._degrees["dp_replicate"]
+        return self.num_nodes * self.num_processes // max(replicas, 1)
 
     @property
     def data_parallel_size(self) -> int:
@@ -208,13 +208,11 @@ class TitanStrategy(ModelParallelStrategy):
         rank 0 writes what rank zero writes (logs, the run directory's files)."""
         if not self.fault_tolerance.enabled or self.cluster_environment is None:
             return super().set_world_ranks()
-        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+        from lit_titan.fault_tolerance.lightning_step import set_group_ranks
 
-        job_rank, size = self.node_rank * self.num_processes + self.local_rank, self._ft_group_size()
-        self.cluster_environment.set_global_rank(job_rank % size)
-        self.cluster_environment.set_world_size(size)
-        rank_zero_only.rank = fabric_rank_zero_only.rank = job_rank
+        set_group_ranks(
+            self.cluster_environment, self.node_rank * self.num_processes + self.local_rank, self._ft_group_size()
+        )
 
     @property
     def is_global_zero(self) -> bool:
@@ -303,15 +301,22 @@ class TitanStrategy(ModelParallelStrategy):
             self._saved_matmul_precision = None
 
     def _setup_distributed(self) -> None:
-        if self.fault_tolerance.enabled and not torch.distributed.is_initialized():
-            from lit_titan.fault_tolerance.lightning_step import ReplicaStep, replica_world
+        if self.fault_tolerance.enabled:
+            from lit_titan.fault_tolerance.lightning_step import ReplicaStep
 
-            size, timeout = self._ft_group_size(), self._timeout or default_pg_timeout
-            job_rank = self.node_rank * self.num_processes + self.local_rank
-            replicas = self.job_dims.dp_replicate
-            replica, shard = replica_world(job_rank, size, replicas, self._get_process_group_backend(), timeout)
-            self.replica_step = ReplicaStep(
-                self.fault_tolerance, replica, replicas, shard, size, timeout.total_seconds()
+            if torch.distributed.is_initialized():  # a world spanning the groups: a dead one would hang it
+                raise RuntimeError(
+                    "fault_tolerance.enabled=true: a process group exists already; each replica group starts "
+                    "its own (docs/fault_tolerance.md), start the job in fresh processes"
+                )
+
+            self.replica_step = ReplicaStep.start_world(
+                self.fault_tolerance,
+                self.node_rank * self.num_processes + self.local_rank,
+                self._ft_group_size(),
+                self.job_dims.dp_replicate,
+                self._get_process_group_backend(),
+                self._timeout or default_pg_timeout,
             )
         elif not torch.distributed.is_initialized() and under_torchelastic():
             # torchrun (one node or several): rendezvous in a store namespace that every node agrees
