@@ -35,28 +35,24 @@ def store_address() -> tuple[str, int]:
     return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
 
 
-def replica_world(job_rank: int, group_size: int, replicas: int, backend: str, timeout: timedelta) -> tuple[int, int]:
-    """Start this rank's replica group as its own default process group; (replica, rank in the group).
+def replica_world(
+    job_rank: int, group_size: int, replicas: int, backend: str, timeout: timedelta
+) -> tuple[int, int, bool]:
+    """Start this rank's replica group as its own default process group; (replica, rank in the group,
+    whether it rejoins).
 
     A group started again rendezvouses under a new prefix (its start count in the store), so it never
-    meets its predecessor's keys. One started again while the other groups still run their first start
-    is refused in one line: the trainer cannot rejoin it yet (``ReplicaGroups.join`` can; the trainer
-    would have to start its data loader, step counters and LR schedule at the admitted step).
+    meets its predecessor's keys; one started again while another group still runs an older start
+    rejoins the running job (``ReplicaStep.rejoin``).
     """
     replica, shard = divmod(job_rank, group_size)
     store = dist.TCPStore(*store_address(), is_master=False, timeout=timeout, wait_for_workers=False)
     generation = (store.add(f"{PREFIX}starts/{replica}", 1) - 1) // group_size
-    if generation > 0:
-        started = [store.add(f"{PREFIX}starts/{r}", 0) for r in range(replicas)]
-        if any(count <= generation * group_size for count in started):  # another group is in an older start
-            raise RuntimeError(
-                f"lit-titan: replica group {replica} started again while the others train: rejoining a running "
-                "trainer is not supported yet (docs/fault_tolerance.md); restart the whole job (resume=auto) "
-                "with a fresh store"
-            )
+    started = [store.add(f"{PREFIX}starts/{r}", 0) for r in range(replicas)]
+    rejoin = generation > 0 and any(count <= generation * group_size for count in started)
     prefixed = dist.PrefixStore(f"{PREFIX}replica{replica}/g{generation}/", store)
     dist.init_process_group(backend, store=prefixed, rank=shard, world_size=group_size, timeout=timeout)
-    return replica, shard
+    return replica, shard, rejoin
 
 
 def set_group_ranks(cluster_environment: Any, job_rank: int, group_size: int) -> None:
@@ -86,6 +82,8 @@ class ReplicaStep:
         self.replica, self.replicas, self.shard, self.shards = replica, replicas, shard, shards
         self.groups: ReplicaGroups | None = None
         self.micro = 1
+        self.rejoining = False
+        self.first_step = 0  # a rejoining group's: the step it was admitted at
 
     @classmethod
     def start_world(
@@ -98,12 +96,37 @@ class ReplicaStep:
         timeout: timedelta,
     ) -> ReplicaStep:
         """Start this rank's replica group's world (``replica_world``); the step that spans the groups."""
-        replica, shard = replica_world(job_rank, group_size, replicas, backend, timeout)
-        return cls(settings, replica, replicas, shard, group_size, timeout.total_seconds())
+        replica, shard, rejoin = replica_world(job_rank, group_size, replicas, backend, timeout)
+        step = cls(settings, replica, replicas, shard, group_size, timeout.total_seconds())
+        step.rejoining = rejoin
+        return step
 
     @property
     def job_rank(self) -> int:
         return self.replica * self.shards + self.shard
+
+    def rejoin(self, trainer: Any, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """A group started again: wait to be admitted, take a live peer's weights and optimizer state, and
+        start the data at the admitted step (before the loader is built: the strategy's ``setup``)."""
+        self.start(trainer, params, optimizer)
+        assert self.groups is not None
+        self.first_step = self.groups.join()
+        data = trainer.datamodule
+        data.load_state_dict(data.data_state(self.first_step))
+
+    def on_train_start(self, trainer: Any, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Join the cross-replica group; a rejoined group's loop and LR schedule move to its first step."""
+        if self.groups is None:
+            self.start(trainer, params, optimizer)
+        if not self.first_step:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        steps = loop.automatic_optimization.optim_progress.optimizer.step.total
+        steps.ready = steps.completed = self.first_step
+        loop._batches_that_stepped = self.first_step
+        for config in trainer.lr_scheduler_configs:  # LambdaLR: the factor is a function of the step
+            config.scheduler.last_epoch = self.first_step - 1
+            config.scheduler.step()
 
     def start(self, trainer: Any, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         """Join the cross-replica group (every live group's ranks meet here, once training starts)."""
@@ -124,6 +147,7 @@ class ReplicaStep:
             heartbeat_s=self.settings.dead_after_s / 10,
             params=params,
             optimizer=optimizer,
+            rejoin=self.rejoining,
         )
 
     def run(self, module: Any, batch: Any, optimizers: list[torch.optim.Optimizer]) -> Tensor:

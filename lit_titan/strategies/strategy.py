@@ -378,6 +378,8 @@ class TitanStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.replica_step is not None and self.replica_step.rejoining:
+                self.replica_step.rejoin(trainer, list(self.model.parameters()), self.optimizers[0])
 
     def parallelize(self, model: nn.Module, precision: str) -> tuple[nn.Module, list[nn.Module]]:
         """Apply every parallelism in the documented order (docs/architecture.md).
@@ -468,7 +470,9 @@ class TitanStrategy(ModelParallelStrategy):
         # multi-process run: a collective and a host sync per micro-batch. Check on logging steps.
         amortise_sigterm_check(self.lightning_module.trainer)
         if self.replica_step is not None:
-            self.replica_step.start(self.lightning_module.trainer, list(self.model.parameters()), self.optimizers[0])
+            self.replica_step.on_train_start(
+                self.lightning_module.trainer, list(self.model.parameters()), self.optimizers[0]
+            )
 
     # ---- collectives and contexts ---------------------------------------------------------------
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:

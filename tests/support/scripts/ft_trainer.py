@@ -9,14 +9,17 @@ group is its own launch. Every rank of
 replica group 1 gets ``fault.kill_rank=<its rank in the group> fault.at_step=KILL_STEP``, so the whole group
 SIGKILLs itself after step KILL_STEP - 1. Replica group 0 dumps to RUN_DIR/dump, group 1 to RUN_DIR/dump-replica1;
 each rank's output in RUN_DIR/rank-N.log; exit codes by rank in RUN_DIR/codes.json. RESTART=1: once group 1
-died, start its ranks again (their exit codes follow).
+died, start its ranks again (their exit codes follow; their dump in RUN_DIR/dump-rejoined), holding group 0 at
+step KILL_STEP + 1 until they wait to be admitted.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from helpers import _JOB_ENV_DROP
@@ -78,6 +81,8 @@ def main(argv: list[str]) -> None:
         if rank // group == 1:
             extra += [f"fault.kill_rank={rank % group}", f"fault.at_step={kill_step}"]
             dump = run_dir / "dump-replica1"
+        elif rank == 0 and restart:
+            extra += ["fault.kill_rank=0", f"fault.at_step={kill_step + 1}", "fault.pause=true"]
         args = (run_dir, rank, size, group, store.port, [*overrides, *extra], dump)
         procs.append(ctx.Process(target=_rank, args=args))
         procs[-1].start()
@@ -92,10 +97,16 @@ def main(argv: list[str]) -> None:
                 group,
                 store.port,
                 [*overrides, f"run_dir={run_dir}"],
-                run_dir / "dump-restart",
+                run_dir / "dump-rejoined",
             )
             procs.append(ctx.Process(target=_rank, args=args, kwargs={"log": f"rank-{rank}-restarted.log"}))
             procs[-1].start()
+        # Group 0's first rank waits at step KILL_STEP + 1 (fault.pause) until the restarted ranks wait to be
+        # admitted: however loaded the machine, they rejoin before the run ends.
+        deadline = time.monotonic() + 240
+        while store.add("lit_titan/ft/join/1", 0) < group and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(procs[0].pid, signal.SIGCONT)
     for proc in procs:
         proc.join(timeout=300)
         if proc.exitcode is None:
