@@ -108,6 +108,11 @@ class ReplicaStep:
     def rejoin(self, trainer: Any, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         """A group started again: wait to be admitted, take a live peer's weights and optimizer state, and
         start the data at the admitted step (before the loader is built: the strategy's ``setup``)."""
+        if trainer.ckpt_path:  # Lightning restores it after setup: it would overwrite the peer's state
+            raise RuntimeError(
+                f"lit-titan: replica group {self.replica} rejoins a running job with a live peer's state, but "
+                f"resume found {trainer.ckpt_path}, which would be loaded over it; start it without resume"
+            )
         self.start(trainer, params, optimizer)
         assert self.groups is not None
         self.first_step = self.groups.join()
