@@ -292,6 +292,30 @@ def launcher(cfg: DictConfig, launcher: DictConfig | None) -> None:
 # In the order ``spec.validate`` runs them (``targets`` first): with the model's arguments, the config
 # alone, then with the resolved degrees (the order decides which of two problems a user sees first).
 MODEL_RULES = (loss_chunks, seq_len_fits_model, tokenizer_fits_model, sliding_window_fits_sequence, hf_weights_match)
+
+
+def fault_tolerance_layout(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """Replica-group fault tolerance needs replica groups, and its step spans data parallelism only (yet)."""
+    if not (cfg.get("fault_tolerance") or {}).get("enabled"):
+        return
+    if dims.dp_replicate < 2:
+        raise ConfigError(
+            f"fault_tolerance.enabled=true: parallel.dp_replicate={dims.dp_replicate}, there is no other replica "
+            "group to go on without one; set parallel.dp_replicate >= 2 (HSDP) or fault_tolerance.enabled=false"
+        )
+    for name in ("pp", "cp", "tp", "ep"):
+        if getattr(dims, name) > 1:
+            raise ConfigError(
+                f"parallel.{name}={getattr(dims, name)}: fault_tolerance.enabled=true trains replica groups of "
+                f"FSDP ranks only (yet); set parallel.{name}=1 or fault_tolerance.enabled=false (restart + resume=auto)"
+            )
+    if cfg.trainer.limit_val_batches:
+        raise ConfigError(
+            f"trainer.limit_val_batches={cfg.trainer.limit_val_batches}: validation under "
+            "fault_tolerance.enabled=true is not supported yet; set trainer.limit_val_batches=0"
+        )
+
+
 CONFIG_RULES = (optimizer, fault_drill, preflight, profiler_windows)
 LAYOUT_RULES = (
     layout_fits_family,
@@ -305,4 +329,5 @@ LAYOUT_RULES = (
     expert_parallel_without_activation_checkpointing,
     attention_backend,
     pipeline_validation,
+    fault_tolerance_layout,
 )

@@ -8,7 +8,7 @@ config (a dataclass) to merge into; ``lit_titan.config.schema_check`` merges the
 A group is its component's own settings dataclass, imported from the torch-free ``settings.py`` beside
 the code that reads it (``parallel``: ``strategies/settings.py``; ``optim``; ``data``; ``checkpoint``,
 ``nonfinite``, ``fault``, ``preflight`` and the ``conf/callbacks/`` nodes: ``callbacks/settings.py``;
-``trainer``, ``cluster``, ``loss``: ``job/settings.py``), so **adding a key is one field there** and its
+``trainer``, ``cluster``, ``loss``: ``job/settings.py``; ``fault_tolerance``: ``fault_tolerance/settings.py``), so **adding a key is one field there** and its
 yaml line; the component receives the field. Declared here: the job's own top-level keys and the
 nodes of Lightning's loggers and profilers (their constructors are Lightning's). A ``model.*`` key is one
 ``setting()`` on its family's arguments dataclass (``models/<family>/args.py``): ``model_schema`` builds
@@ -42,6 +42,7 @@ from lit_titan.callbacks.settings import (
     PreflightConfig,
 )
 from lit_titan.data.settings import DataConfig
+from lit_titan.fault_tolerance.settings import FaultToleranceConfig
 from lit_titan.job.settings import LAUNCHERS, PRECISIONS, ClusterConfig, LossConfig, TrainerConfig
 from lit_titan.optim.settings import OptimConfig
 from lit_titan.settings import non_empty_str, path_or_null, setting
@@ -138,6 +139,7 @@ class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydr
     nonfinite: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)  # TitanStrategy's
     # _target_ nodes: each checked against TARGET_SCHEMAS[its _target_] (lit_titan.config.schema_check)
     logger: dict[str, Any] | None = key()
     callbacks: dict[str, Any] | None = key()

@@ -164,8 +164,22 @@ class PretrainDataModule(L.LightningDataModule):
             )
 
     def batch_layout(self, dp_size: int) -> BatchLayout:
-        """Micro-batch and accumulation for ``dp_size`` data-parallel ranks (one line if they do not split)."""
+        """Micro-batch and accumulation for ``dp_size`` data-parallel ranks (one line if they do not split).
+
+        Under replica-group fault tolerance every rank loads the whole global batch as one batch: which
+        of its samples a rank trains changes when a replica group leaves (lit_titan/fault_tolerance/).
+        """
+        if self._whole_global_batch():
+            return BatchLayout(self.global_batch_size, self.global_batch_size, 1, 1)
         return BatchLayout.derive(self.global_batch_size, self._micro_batch_size, dp_size)
+
+    def _whole_global_batch(self) -> bool:
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        return getattr(strategy, "replica_step", None) is not None
+
+    def ft_micro_batch_size(self, dp_size: int) -> int:
+        """The micro-batch a fault-tolerant rank trains its assigned samples in (``data.micro_batch_size``)."""
+        return BatchLayout.derive(self.global_batch_size, self._micro_batch_size, dp_size).micro
 
     # ---- data-parallel coordinates ---------------------------------------------------
     def data_parallel_coords(self) -> tuple[int, int]:

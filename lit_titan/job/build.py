@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 
 from lit_titan.callbacks.settings import CheckpointConfig, FaultConfig, NonFiniteConfig, PreflightConfig
+from lit_titan.fault_tolerance.settings import FaultToleranceConfig
 from lit_titan.job.settings import ClusterConfig, LossConfig, TrainerConfig
 from lit_titan.observe.redact import secrets_of
 
@@ -114,6 +115,7 @@ def build_strategy(cfg: DictConfig, spec: JobSpec | None = None):
         dims=spec.dims if spec is not None else None,
         tf32=bool(cfg.get("tf32", True)),
         timeout=timedelta(seconds=settings_group(cfg, "cluster", ClusterConfig).timeout_s),
+        fault_tolerance=settings_group(cfg, "fault_tolerance", FaultToleranceConfig),
     )
 
 
@@ -121,6 +123,7 @@ def trainer_arguments(cfg: DictConfig, spec: JobSpec) -> dict[str, Any]:
     """Lightning ``Trainer``'s arguments from the ``trainer`` group (``TrainerConfig``: Trainer arguments by
     their own names, passed on as they are), the cluster's devices and the spec's precision and accumulation."""
     trainer, cluster = settings_group(cfg, "trainer", TrainerConfig), settings_group(cfg, "cluster", ClusterConfig)
+    whole_batches = settings_group(cfg, "fault_tolerance", FaultToleranceConfig).enabled
     return {
         **asdict(trainer),
         "val_check_interval": trainer.val_check_interval if trainer.limit_val_batches else None,
@@ -128,7 +131,8 @@ def trainer_arguments(cfg: DictConfig, spec: JobSpec) -> dict[str, Any]:
         "devices": cluster.devices,
         "num_nodes": cluster.num_nodes,
         "precision": spec.precision,
-        "accumulate_grad_batches": spec.batch.accumulation,
+        # fault tolerance: one Lightning batch per step, the whole global batch (lit_titan/fault_tolerance/)
+        "accumulate_grad_batches": 1 if whole_batches else spec.batch.accumulation,
     }
 
 

@@ -97,6 +97,8 @@ def build_figures(runs: list[Run]) -> list[Figure]:
     figs.append(_expert_load(runs))
     if len(runs) == 1 and runs[0].timeline:
         figs.extend(_timeline_figures(runs[0]))
+    if len(runs) == 1 and runs[0].faults:
+        figs.append(_faults_figure(runs[0]))
     for fig in figs:
         if not fig.empty:
             fig.svg = render(fig)
@@ -127,6 +129,19 @@ def _timeline_figures(run: Run) -> list[Figure]:
     ckpt = Figure("checkpoint", "Training blocked by checkpoint saves", "optimizer step (after the save)", "seconds")
     _per_rank(ckpt, run, lambda r: r["checkpoint_s"] if r.get("checkpoint_s", 0) > 0 else None)
     return [heat, phases, data, memory, ckpt]
+
+
+def _faults_figure(run: Run) -> Figure:
+    """Replica groups training over the steps: a step down where one left, up where it rejoined."""
+    fig = Figure("faults", "Replica groups training (membership.csv: who left or joined)", "optimizer step", "groups")
+    steps, groups = [], []
+    for row in run.faults:
+        before = len(row["members"].split()) + (len(row["replicas"].split()) * (1 if row["event"] == "left" else -1))
+        steps += [int(row["step"]), int(row["step"])]
+        groups += [before, len(row["members"].split())]
+    last = max((p[0] for points in run.metrics.values() for p in points), default=steps[-1])
+    fig.series["replica groups"] = {"x": steps + [max(last, steps[-1])], "y": groups + [groups[-1]]}
+    return fig
 
 
 def render(fig: Figure) -> str:

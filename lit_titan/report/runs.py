@@ -31,6 +31,7 @@ class Run:
     hang_files: list[Path] = field(default_factory=list)
     preflight: dict | None = None  # preflight.json (lit_titan/observe/diagnostics.py), when the run had one
     summary: dict | None = None  # summary.json (lit_titan/callbacks/run_summary.py), once the run has ended
+    faults: list[dict[str, str]] = field(default_factory=list)  # membership.csv (lit_titan/fault_tolerance/events.py)
 
     @property
     def name(self) -> str:
@@ -106,6 +107,7 @@ def load_run(path: Path) -> Run:
     run.hang_files = sorted((run.path / "hang").glob("*")) if (run.path / "hang").is_dir() else []
     run.preflight = _json(run.path / "preflight.json")
     run.summary = _json(run.path / "summary.json")
+    run.faults = _rows(run.path / "membership.csv")
     return run
 
 

@@ -29,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from lit_titan.checkpoint import CheckpointWriter, load_sharded
+from lit_titan.fault_tolerance.settings import FaultToleranceConfig
 from lit_titan.models.registry import spec_of_model
 from lit_titan.observe.log_cadence import amortise_sigterm_check, is_logging_step
 from lit_titan.observe.phases import phase
@@ -84,11 +85,13 @@ class TitanStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        fault_tolerance: FaultToleranceConfig | None = None,
         **settings: Any,
     ) -> None:
         """``parallel``: the degrees and parallel settings (the config's ``parallel`` group); any of its
         fields may also be given by name (``TitanStrategy(tp=2)``), overriding ``parallel``'s.
-        ``dims``: degrees already resolved and checked (a ``JobSpec``'s), used as they are."""
+        ``dims``: degrees already resolved and checked (a ``JobSpec``'s), used as they are.
+        ``fault_tolerance``: replica-group fault tolerance (``lit_titan/fault_tolerance/lightning_step.py``)."""
         super().__init__(
             data_parallel_size=1,
             tensor_parallel_size=1,
@@ -142,6 +145,10 @@ class TitanStrategy(ModelParallelStrategy):
         self.restart_attempt: int | None = None
         # Whether setup_environment started the process group (then teardown destroys it).
         self._owns_process_group = False
+        # fault_tolerance.enabled: each replica group is its own world; this runs the step across them.
+        self.fault_tolerance = fault_tolerance or FaultToleranceConfig()
+        self.replica_step: Any = None
+        self.job_dims: ParallelDims | None = None  # the whole job's degrees (resolve_dims under fault tolerance)
 
     # ---- layout ---------------------------------------------------------------------------------
     def resolve_dims(self) -> ParallelDims:
@@ -149,16 +156,18 @@ class TitanStrategy(ModelParallelStrategy):
 
         The batch split is checked by the datamodule, which knows its data-parallel coordinates.
         Degrees given resolved (``dims=``, a checked JobSpec's) are only held against the world size.
+        Under fault tolerance the job's degrees are checked, those of one replica group returned.
         """
+        world = self.num_nodes * self.num_processes if self.fault_tolerance.enabled else self.world_size
         if self._resolved_dims is not None:
-            if self._resolved_dims.world_size != self.world_size:
+            if self._resolved_dims.world_size != world:
                 raise LayoutError(
                     f"the resolved degrees {self._resolved_dims.as_dict()} are for "
-                    f"{self._resolved_dims.world_size} processes, this job has {self.world_size}; "
+                    f"{self._resolved_dims.world_size} processes, this job has {world}; "
                     f"check cluster.devices x cluster.num_nodes"
                 )
-            return self._resolved_dims
-        dims = ParallelDims.resolve(self.world_size, **self._degrees)
+            return self._replica_group_dims(self._resolved_dims)
+        dims = ParallelDims.resolve(world, **self._degrees)
         args = module_contract(self.lightning_module).model_args
         data = self.lightning_module.trainer.datamodule if self.lightning_module is not None else None
         dims.validate(
@@ -170,15 +179,46 @@ class TitanStrategy(ModelParallelStrategy):
             from lit_titan.models.registry import num_experts
 
             dims.validate_experts(num_experts(args))
-        return dims
+        return self._replica_group_dims(dims)
+
+    def _replica_group_dims(self, dims: ParallelDims) -> ParallelDims:
+        """``dims`` as they are; under fault tolerance those of one replica group (its own world)."""
+        if not self.fault_tolerance.enabled:
+            return dims
+        self.job_dims = dims
+        return ParallelDims.resolve(
+            dims.world_size // dims.dp_replicate, pp=dims.pp, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp, ep=dims.ep
+        )
+
+    def _ft_group_size(self) -> int:
+        replicas = self._resolved_dims.dp_replicate if self._resolved_dims else self._degrees["dp_replicate"]
+        return self.num_nodes * self.num_processes // max(replicas, 1)
 
     @property
     def data_parallel_size(self) -> int:
-        return self.parallel_dims.dp if self.parallel_dims else 1
+        # Under fault tolerance every rank loads the whole global batch (ReplicaStep picks its samples).
+        return self.parallel_dims.dp if self.parallel_dims and self.replica_step is None else 1
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.parallel_dims.dp_rank(self.global_rank) if self.parallel_dims else 0
+        return self.parallel_dims.dp_rank(self.global_rank) if self.parallel_dims and self.replica_step is None else 0
+
+    def set_world_ranks(self) -> None:
+        """Under fault tolerance Lightning's ranks are the replica group's (its world); only the job's
+        rank 0 writes what rank zero writes (logs, the run directory's files)."""
+        if not self.fault_tolerance.enabled or self.cluster_environment is None:
+            return super().set_world_ranks()
+        from lit_titan.fault_tolerance.lightning_step import set_group_ranks
+
+        set_group_ranks(
+            self.cluster_environment, self.node_rank * self.num_processes + self.local_rank, self._ft_group_size()
+        )
+
+    @property
+    def is_global_zero(self) -> bool:
+        if self.fault_tolerance.enabled:
+            return self.node_rank * self.num_processes + self.local_rank == 0
+        return super().is_global_zero
 
     @property
     def pp_group(self) -> torch.distributed.ProcessGroup | None:
@@ -261,7 +301,24 @@ class TitanStrategy(ModelParallelStrategy):
             self._saved_matmul_precision = None
 
     def _setup_distributed(self) -> None:
-        if not torch.distributed.is_initialized() and under_torchelastic():
+        if self.fault_tolerance.enabled:
+            from lit_titan.fault_tolerance.lightning_step import ReplicaStep
+
+            if torch.distributed.is_initialized():  # a world spanning the groups: a dead one would hang it
+                raise RuntimeError(
+                    "fault_tolerance.enabled=true: a process group exists already; each replica group starts "
+                    "its own (docs/fault_tolerance.md), start the job in fresh processes"
+                )
+
+            self.replica_step = ReplicaStep.start_world(
+                self.fault_tolerance,
+                self.node_rank * self.num_processes + self.local_rank,
+                self._ft_group_size(),
+                self.job_dims.dp_replicate,
+                self._get_process_group_backend(),
+                self._timeout or default_pg_timeout,
+            )
+        elif not torch.distributed.is_initialized() and under_torchelastic():
             # torchrun (one node or several): rendezvous in a store namespace that every node agrees
             # is this attempt's (strategies/elastic.py says why torch's env:// is not enough).
             self.restart_attempt = init_elastic_process_group(
@@ -321,6 +378,8 @@ class TitanStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.replica_step is not None and self.replica_step.rejoining:
+                self.replica_step.rejoin(trainer, list(self.model.parameters()), self.optimizers[0])
 
     def parallelize(self, model: nn.Module, precision: str) -> tuple[nn.Module, list[nn.Module]]:
         """Apply every parallelism in the documented order (docs/architecture.md).
@@ -397,6 +456,8 @@ class TitanStrategy(ModelParallelStrategy):
 
     def teardown(self) -> None:
         self.checkpoint_writer.wait(agree=False)  # a save in flight needs the process group
+        if self.replica_step is not None:
+            self.replica_step.close()
         super().teardown()
         self._restore_matmul_precision()  # an in-process fit leaves torch as it found it
         # An in-process fit (notebook, Python API) must not leave its process group behind: the
@@ -410,6 +471,10 @@ class TitanStrategy(ModelParallelStrategy):
         # Lightning broadcasts a SIGTERM flag and reads it back before every batch of a
         # multi-process run: a collective and a host sync per micro-batch. Check on logging steps.
         amortise_sigterm_check(self.lightning_module.trainer)
+        if self.replica_step is not None:
+            self.replica_step.on_train_start(
+                self.lightning_module.trainer, list(self.model.parameters()), self.optimizers[0]
+            )
 
     # ---- collectives and contexts ---------------------------------------------------------------
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor:
@@ -452,8 +517,9 @@ class TitanStrategy(ModelParallelStrategy):
 
     @property
     def backward_in_training_step(self) -> bool:
-        """True under PP: the schedule runs backward (and this strategy zeroes gradients)."""
-        return self.pipeline is not None
+        """True under PP (the schedule runs backward) and fault tolerance (``ReplicaStep`` does); this
+        strategy then zeroes gradients."""
+        return self.pipeline is not None or self.replica_step is not None
 
     def _loss_context(self):
         if self.parallel_dims is not None and self.parallel_dims.tp > 1 and self.loss_parallel:
@@ -463,6 +529,8 @@ class TitanStrategy(ModelParallelStrategy):
         return nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.replica_step is not None:
+            return self.replica_step.run(self.lightning_module, args[0], self.optimizers)
         with self._loss_context():
             if self.pipeline is None and self.context_parallel is None:
                 return super().training_step(*args, **kwargs)
@@ -522,8 +590,8 @@ class TitanStrategy(ModelParallelStrategy):
         return local_inputs, local_labels
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.pipeline is not None:
-            return closure_loss  # the pipeline schedule already ran backward in training_step
+        if self.backward_in_training_step:
+            return closure_loss  # the pipeline schedule (or ReplicaStep) already ran backward in training_step
         # Lightning calls backward outside training_step; loss parallel must span both.
         with self._loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -537,6 +605,8 @@ class TitanStrategy(ModelParallelStrategy):
         """
         if storage_options is not None:
             raise TypeError("TitanStrategy.save_checkpoint does not take storage_options")
+        if self.replica_step is not None and self.replica_step.replica != 0:
+            return  # replica groups hold equal copies: group 0 writes (docs/fault_tolerance.md, limits)
         path = Path(self.broadcast(str(filepath)))
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
