@@ -437,6 +437,13 @@ EP_CASES: dict[str, list[str]] = {
         *SEQUENCE_AUX,
     ],
     "cp2xep2": ["cluster.devices=2", "parallel.cp=2", "parallel.ep=2"],
+    # every block recomputed in backward: its dispatch and combine run again, its counts are not taken again
+    "ep2_ac_full": [
+        "cluster.devices=2",
+        "parallel.ep=2",
+        "callbacks=[activation_checkpointing]",
+        "callbacks.activation_checkpointing.mode=full",
+    ],
 }
 
 
