@@ -223,6 +223,18 @@ def expert_parallel_with_selective_op_checkpointing(cfg: DictConfig, args: Model
         )
 
 
+def expert_parallel_with_fullgraph_compile(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """Under expert parallel each block's experts are an FSDP unit of their own; torch.compile skips FSDP's
+    hooks (a graph break), which ``fullgraph=true`` turns into an error on the first step."""
+    node = (cfg.get("callbacks") or {}).get("compile")
+    if dims.ep > 1 and node is not None and node.get("fullgraph", True):
+        raise ConfigError(
+            f"callbacks.compile.fullgraph=true: not supported with parallel.ep={dims.ep} (the experts' FSDP unit "
+            f"inside each block breaks the graph: torch.compile does not trace FSDP's hooks); set "
+            f"callbacks.compile.fullgraph=false"
+        )
+
+
 def cp_mode_fits_model(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     """Ulysses shards the heads over tp x cp: both head counts must divide (every mode takes document masks)."""
     mode = cfg.parallel.get("cp_mode", "allgather")
@@ -299,6 +311,7 @@ LAYOUT_RULES = (
     cp_mode_fits_model,
     experts_fit_ep,
     expert_parallel_with_selective_op_checkpointing,
+    expert_parallel_with_fullgraph_compile,
     attention_backend,
     pipeline_validation,
 )

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lit_titan.settings import setting
 
@@ -140,7 +141,10 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
         x = torch.zeros(4, 16, device=device, dtype=dtype, requires_grad=True)
         w = torch.zeros(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
         offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
-        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).sum().backward()
+        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        # not out.sum().backward(): CPU's grouped_mm backward refuses that gradient's zero strides, which made
+        # the probe answer False everywhere (the loop ran instead)
+        out.backward(torch.ones_like(out))
         return True
     except (RuntimeError, NotImplementedError):
         return False
@@ -174,7 +178,8 @@ class GroupedExperts(nn.Module):
         return ok
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        # isinstance, not hasattr(w, "to_local"): compile reads hasattr of a DTensor parameter as False
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if self.use_grouped(x):
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
@@ -254,7 +259,8 @@ class MoE(nn.Module):
         # A forward that activation checkpointing recomputes inside backward makes the loss terms again (it
         # must save the tensors the forward saved) but takes no counts, runs no collective and keeps the
         # forward's statistics: those were taken once, by the forward.
-        recomputed = torch._C._current_graph_task_id() != -1
+        # (compiled, a block's recomputation happens inside the compiled backward, never in this Python)
+        recomputed = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
         if self.training and self.args.bias_update_rate > 0 and not recomputed:
             self.tokens_per_expert += counts_f
         aux = self.args.aux_loss if self.args.aux_loss_coef > 0 else "none"

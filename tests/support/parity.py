@@ -444,6 +444,14 @@ EP_CASES: dict[str, list[str]] = {
         "callbacks=[activation_checkpointing]",
         "callbacks.activation_checkpointing.mode=full",
     ],
+    # each block compiled (fullgraph; aot_eager: dynamo and AOT autograd, without inductor's build time)
+    "ep2_compile": [
+        "cluster.devices=2",
+        "parallel.ep=2",
+        "callbacks=[compile]",
+        "callbacks.compile.backend=aot_eager",
+        "callbacks.compile.fullgraph=false",
+    ],
 }
 
 
