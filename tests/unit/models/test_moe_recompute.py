@@ -21,8 +21,9 @@ def _train(mode: str, steps: int = 2):
     tokens, labels = make_batch()
     out = {"grads": [], "aux": [], "counts": []}
     for _ in range(steps):
-        model(tokens, labels=labels).backward()
+        loss = model(tokens, labels=labels)
         stats = [m.stats for m in model.moe_layers()]
+        loss.backward()
         out["aux"].append(model.last_aux_loss)
         out["grads"].append({canonical_name(n): p.grad.clone() for n, p in model.named_parameters()})
         out["counts"].append(torch.stack([m.tokens_per_expert.clone() for m in model.moe_layers()]))
