@@ -215,14 +215,29 @@ def experts_fit_ep(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None
     dims.validate_experts(num_experts(args))  # with tp > 1 the experts are split over ep x tp
 
 
-def expert_parallel_without_activation_checkpointing(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+def expert_parallel_with_selective_op_checkpointing(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """Per-op checkpointing replays a block's ops against a cache indexed by how often each op ran; under
+    expert parallel the experts are an FSDP unit inside the block, whose gathers open other profiler ranges
+    when the block is recomputed in backward than in its forward, and torch raises on the first miss."""
     ac = (cfg.get("callbacks") or {}).get("activation_checkpointing")
     mode = ac.get("mode", "none") if ac is not None else "none"
-    if dims.ep > 1 and mode != "none":
+    if dims.ep > 1 and mode == "selective_op":
         raise ConfigError(
-            f"callbacks.activation_checkpointing.mode={mode}: not supported with parallel.ep={dims.ep} yet (the "
-            f"recomputed forward of an expert-parallel block saves other tensors than its forward, which "
-            f"torch.utils.checkpoint refuses); drop activation_checkpointing from callbacks or use parallel.ep=1"
+            f"callbacks.activation_checkpointing.mode={mode}: not supported with parallel.ep={dims.ep} (the "
+            f"experts' FSDP unit inside each block runs other profiler ops when the block is recomputed than in "
+            f"its forward, which torch's per-op cache refuses); use mode=full or selective_layer"
+        )
+
+
+def expert_parallel_with_fullgraph_compile(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """Under expert parallel each block's experts are an FSDP unit of their own; torch.compile skips FSDP's
+    hooks (a graph break), which ``fullgraph=true`` turns into an error on the first step."""
+    node = (cfg.get("callbacks") or {}).get("compile")
+    if dims.ep > 1 and node is not None and node.get("fullgraph", True):
+        raise ConfigError(
+            f"callbacks.compile.fullgraph=true: not supported with parallel.ep={dims.ep} (the experts' FSDP unit "
+            f"inside each block breaks the graph: torch.compile does not trace FSDP's hooks); set "
+            f"callbacks.compile.fullgraph=false"
         )
 
 
@@ -326,7 +341,8 @@ LAYOUT_RULES = (
     degrees_fit_model,
     cp_mode_fits_model,
     experts_fit_ep,
-    expert_parallel_without_activation_checkpointing,
+    expert_parallel_with_selective_op_checkpointing,
+    expert_parallel_with_fullgraph_compile,
     attention_backend,
     pipeline_validation,
     fault_tolerance_layout,

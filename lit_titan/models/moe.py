@@ -32,12 +32,14 @@ share itself (``injected_loss.add_to_backward``) and keeps the detached value fo
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lit_titan.models.injected_loss import add_to_backward, backward_scale
 from lit_titan.settings import setting
@@ -126,16 +128,35 @@ class Router(nn.Module):
         return scores, weights * self.args.route_scale, indices
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # compile reads the answer while tracing instead of tracing the probe
 def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward for this device type and dtype (probed once)."""
+    return _probe_grouped_mm(device_type, dtype)
+
+
+@functools.cache
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+    """The probe runs in a thread of its own: the first call comes from inside a forward, where activation
+    checkpointing's saved-tensor hooks and dispatch modes (thread-local) would record the probe's tensors as
+    the block's. The recomputed forward, which no longer probes, then saved 3 tensors fewer and
+    ``torch.utils.checkpoint`` raised."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    # a new thread starts on CUDA device 0: probe on the caller's device
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(_grouped_mm_runs, device, dtype).result()
+
+
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     try:
-        x = torch.zeros(4, 16, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.zeros(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([2, 4], device=device_type, dtype=torch.int32)
-        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).sum().backward()
+        x = torch.zeros(4, 16, device=device, dtype=dtype, requires_grad=True)
+        w = torch.zeros(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([2, 4], device=device, dtype=torch.int32)
+        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        # not out.sum().backward(): CPU's grouped_mm backward refuses that gradient's zero strides, which made
+        # the probe answer False everywhere (the loop ran instead)
+        out.backward(torch.ones_like(out))
         return True
     except (RuntimeError, NotImplementedError):
         return False
@@ -169,7 +190,8 @@ class GroupedExperts(nn.Module):
         return ok
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        # isinstance, not hasattr(w, "to_local"): compile reads hasattr of a DTensor parameter as False
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         if self.use_grouped(x):
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
@@ -275,22 +297,30 @@ class MoE(nn.Module):
     def _record(self, scores: Tensor, indices: Tensor, counts: Tensor, bs: int, seqlen: int) -> None:
         counts_f = counts.detach().to(torch.float32)
         self.last_counts = counts_f  # the last forward's tokens per expert (observe/expert_load.py logs them)
-        # Count once per step: a forward recomputed by activation checkpointing runs inside backward.
-        if self.training and self.args.bias_update_rate > 0 and torch._C._current_graph_task_id() == -1:
+        # A forward that activation checkpointing recomputes inside backward makes the loss terms again (it
+        # must save the tensors the forward saved) but takes no counts, runs no collective and keeps the
+        # forward's statistics: those were taken once, by the forward.
+        # (compiled, a block's recomputation happens inside the compiled backward, never in this Python)
+        recomputed = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+        if self.training and self.args.bias_update_rate > 0 and not recomputed:
             self.tokens_per_expert += counts_f
         aux = self.args.aux_loss if self.args.aux_loss_coef > 0 else "none"
         if aux == "none" or not torch.is_grad_enabled():
-            self.stats = {}
+            if not recomputed:
+                self.stats = {}
             return
         if aux == "sequence":
-            self.stats = {"seq_loss": sequence_aux_loss(scores.view(bs, seqlen, -1), indices.view(bs, seqlen, -1))}
+            stats = {"seq_loss": sequence_aux_loss(scores.view(bs, seqlen, -1), indices.view(bs, seqlen, -1))}
+        else:
+            stats = {"counts": counts_f.to(scores.dtype), "prob_sum": scores.sum(0), "rows": bs * seqlen}
+        if recomputed:
             return
-        self.stats = {"counts": counts_f.to(scores.dtype), "prob_sum": scores.sum(0), "rows": bs * seqlen}
         if aux == "global" and self.count_group is not None:
             rows = torch.tensor([float(bs * seqlen)], dtype=scores.dtype, device=scores.device)
-            both = torch.cat([self.stats["counts"], rows])
+            both = torch.cat([stats["counts"], rows])
             dist.all_reduce(both, group=self.count_group)
-            self.stats["global_counts"], self.stats["global_rows"] = both[:-1], both[-1]
+            stats["global_counts"], stats["global_rows"] = both[:-1], both[-1]
+        self.stats = stats
 
 
 def sequence_aux_loss(scores: Tensor, indices: Tensor) -> Tensor:

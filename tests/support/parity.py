@@ -450,6 +450,21 @@ EP_CASES: dict[str, list[str]] = {
         *SEQUENCE_AUX,
     ],
     "pp2xep2": ["cluster.devices=4", "parallel.pp=2", "parallel.ep=2", *SEQUENCE_AUX],
+    # every block recomputed in backward: its dispatch and combine run again, its counts are not taken again
+    "ep2_ac_full": [
+        "cluster.devices=2",
+        "parallel.ep=2",
+        "callbacks=[activation_checkpointing]",
+        "callbacks.activation_checkpointing.mode=full",
+    ],
+    # each block compiled (fullgraph; aot_eager: dynamo and AOT autograd, without inductor's build time)
+    "ep2_compile": [
+        "cluster.devices=2",
+        "parallel.ep=2",
+        "callbacks=[compile]",
+        "callbacks.compile.backend=aot_eager",
+        "callbacks.compile.fullgraph=false",
+    ],
 }
 
 

@@ -85,6 +85,26 @@ def test_converts_block_linears_not_the_head():
     assert all(type(model.get_submodule(n)) is Float8Linear for n in cb.converted)
 
 
+def test_moe_converts_attention_and_shared_experts_not_the_router_or_experts():
+    """The router scores in fp32 by design (kept even where its width would pass), the routed experts are
+    grouped weights (no Linear), the shared experts and attention are dense Linears (converted). Float8 with
+    ep2 against one process with Float8 (the parity regime, 8 steps, measured once): within FLOAT8_TOL."""
+    from lit_titan.models.qwen3_moe import Qwen3MoE
+    from lit_titan.models.qwen3_moe import get_flavor as moe_flavor
+
+    moe = dict(num_experts=16, top_k=2, hidden_dim=32, num_shared_experts=1)
+    with torch.device("meta"):
+        model = Qwen3MoE(moe_flavor("qwen3_moe_debug", **{**TINY_MODEL, "head_dim": 16, "moe": moe}))
+    cb = Float8(emulate=True, auto_filter_small_kn=False)
+    cb.convert(model)
+    assert model.layers["0"].moe.router.gate.weight.shape == (16, 64)  # passes min_dim, kept by name
+    assert not any("router" in n or ".experts." in n for n in cb.converted), cb.converted
+    assert {n.split(".", 2)[2] for n in cb.converted} == {
+        *(f"attention.w{x}" for x in "qkvo"),
+        *(f"moe.shared_experts.w{i}" for i in (1, 2, 3)),
+    }
+
+
 def test_skips_dims_not_divisible_by_min_dim():
     # n_heads=8, n_kv_heads=1: head_dim 8, so wk/wv are 64 -> 8 (not a multiple of 16): kept.
     model = _meta_model(n_heads=8, n_kv_heads=1)

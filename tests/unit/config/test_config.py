@@ -77,6 +77,11 @@ def test_documented_overrides_apply():
             ConfigError,
             "callbacks.activation_checkpointing.mode=selective_op: not supported with parallel.ep=2",
         ),
+        (
+            ["model=qwen3_moe_debug", "cluster.devices=2", "parallel.ep=2", "callbacks=[compile]"],
+            ConfigError,
+            "callbacks.compile.fullgraph=true: not supported with parallel.ep=2",
+        ),
     ],
 )
 def test_bad_config_is_refused_before_work(overrides, error, needle):
