@@ -132,7 +132,7 @@ def request_compile(
     def transform(model: nn.Module, plan: Any, strategy: Any) -> None:
         # Under CP the attention core stays eager (ContextParallel.apply disables it for dynamo): one graph
         # break per block, so fullgraph cannot hold there.
-        dims = getattr(strategy, "parallel_dims", None)
+        dims = contract(strategy).parallel_dims
         cp = dims is not None and dims.cp > 1
         compile_blocks(model, plan, fullgraph=fullgraph and not cp, backend=backend, mode=mode)
 
