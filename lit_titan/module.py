@@ -213,11 +213,12 @@ class PretrainModule(L.LightningModule, ModuleContract):
         self.log("val/loss", _plain(loss.detach()), sync_dist=True, prog_bar=True)
 
     def on_fit_start(self) -> None:
-        # MoE layers' global-batch auxiliary loss sums its token counts over the ranks sharing the batch
-        group = self.strategy_contract.batch_group
+        # MoE layers' global-batch auxiliary loss sums its token counts over the ranks sharing the batch, the
+        # sequence-wise one its per-sequence statistics over the context ranks sharing the sequences
+        group, cp_group = self.strategy_contract.batch_group, self.strategy_contract.cp_group
         for m in self.model.modules() if self.model is not None else ():
             if isinstance(m, MoE):
-                m.count_group = group
+                m.count_group, m.cp_group = group, cp_group
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # The previous logging step's row is written: drop its values, or Lightning would read the

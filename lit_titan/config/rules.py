@@ -177,16 +177,6 @@ def layout_fits_family(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> 
             )
 
 
-def moe_aux_loss_fits_cp(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
-    """The sequence-wise auxiliary loss is a mean over whole sequences; a context-parallel rank holds a slice."""
-    moe = getattr(args, "moe", None)
-    if dims.cp > 1 and moe is not None and moe.aux_loss == "sequence" and moe.aux_loss_coef > 0:
-        raise ConfigError(
-            f"model.moe.aux_loss=sequence: not supported with parallel.cp={dims.cp} (each context rank holds a "
-            f"slice of every sequence); use model.moe.aux_loss=global or parallel.cp=1"
-        )
-
-
 def moe_aux_loss_fits_pp(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     """Under pp each MoE layer back-propagates its own share of the auxiliary loss; the pooled loss has none."""
     moe = getattr(args, "moe", None)
@@ -334,7 +324,6 @@ def fault_tolerance_layout(cfg: DictConfig, args: ModelArgs, dims: ParallelDims)
 CONFIG_RULES = (optimizer, fault_drill, preflight, profiler_windows)
 LAYOUT_RULES = (
     layout_fits_family,
-    moe_aux_loss_fits_cp,
     moe_aux_loss_fits_pp,
     tied_embeddings_without_pipeline,
     grad_reduce_scatter,

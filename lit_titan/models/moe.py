@@ -16,7 +16,9 @@ Load balancing, chosen by ``MoEArgs``:
 - ``aux_loss="global"``: per layer, the token fractions counted over the whole batch (summed over
   ``count_group``, the data/context ranks, when one is set) times the local mean probabilities,
   averaged over layers (Qwen's global-batch balancing);
-- ``aux_loss="sequence"``: DeepSeek-V3's sequence-wise loss, per sequence, averaged;
+- ``aux_loss="sequence"``: DeepSeek-V3's sequence-wise loss, per sequence, averaged; under context
+  parallel (``cp_group`` set) each rank holds part of every sequence, so the per-sequence counts and
+  score sums are summed over the context ranks first;
 - ``bias_update_rate > 0``: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to
   the scores for selection only, moved by ``update_expert_bias`` after each optimizer step from
   the token counts of the whole step.
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -243,6 +246,9 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False)
         # The group the global-batch loss sums its counts over (data x context ranks); None: this process.
         self.count_group: dist.ProcessGroup | None = None
+        # The context-parallel ranks holding the other parts of this rank's sequences (the sequence-wise loss
+        # sums its per-sequence statistics over them); None: this rank holds whole sequences.
+        self.cp_group: dist.ProcessGroup | None = None
         self.stats: dict[str, Tensor | int] = {}
         # MoE layers in the whole model (set by the model): a layer's share of the mean over layers.
         self.num_moe_layers = 1
@@ -310,7 +316,9 @@ class MoE(nn.Module):
                 self.stats = {}
             return
         if aux == "sequence":
-            stats = {"seq_loss": sequence_aux_loss(scores.view(bs, seqlen, -1), indices.view(bs, seqlen, -1))}
+            # a recomputed forward runs the cp sum again (every cp rank recomputes the same blocks in order)
+            seq_loss = sequence_aux_loss(scores.view(bs, seqlen, -1), indices.view(bs, seqlen, -1), self.cp_group)
+            stats = {"seq_loss": seq_loss}
         else:
             stats = {"counts": counts_f.to(scores.dtype), "prob_sum": scores.sum(0), "rows": bs * seqlen}
         if recomputed:
@@ -323,19 +331,44 @@ class MoE(nn.Module):
         self.stats = stats
 
 
-def sequence_aux_loss(scores: Tensor, indices: Tensor) -> Tensor:
+def sequence_aux_loss(scores: Tensor, indices: Tensor, cp_group: dist.ProcessGroup | None = None) -> Tensor:
     """DeepSeek-V3's sequence-wise balance loss (without alpha), mean over sequences.
 
     scores [b, s, E], indices [b, s, k]: f_i = E / (k s) * tokens of the sequence routed to i,
     P_i = mean over the sequence of the scores normalised to sum 1; loss = sum_i f_i P_i.
+    ``cp_group``: the context-parallel ranks holding the rest of these ``b`` sequences (every rank the same
+    number of tokens); per sequence the counts and score sums are summed over them, so every cp rank has
+    the whole sequences' loss. The score sums go through an all-reduce with autograd (its backward sums
+    the gradients over the ranks), so each rank's router gets the gradient of its own tokens' scores.
     """
     b, s, num_experts = scores.shape
     k = indices.shape[-1]
     counts = torch.zeros(b, num_experts, dtype=scores.dtype, device=scores.device)
     counts.scatter_add_(1, indices.reshape(b, -1), torch.ones(b, s * k, dtype=scores.dtype, device=scores.device))
+    normalised = scores / scores.sum(-1, keepdim=True)
+    if cp_group is None:
+        p = normalised.mean(1)
+    else:
+        dist.all_reduce(counts, group=cp_group)
+        s = s * dist.get_world_size(cp_group)
+        p = _SumOverRanks.apply(normalised.sum(1), cp_group) / s
     f = counts * num_experts / (k * s)
-    p = (scores / scores.sum(-1, keepdim=True)).mean(1)
     return (f * p).sum(-1).mean()
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward sums the gradients over the same ranks. Written here because
+    ``torch.distributed.nn.functional.all_reduce`` is deprecated and functional collectives' ``all_reduce``
+    carries autograd only in recent torch releases (this must run on older ones too)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
 
 
 def layer_aux_loss(m: MoE) -> Tensor:

@@ -60,6 +60,11 @@ class StrategyContract(Protocol):
         ...
 
     @property
+    def cp_group(self) -> torch.distributed.ProcessGroup | None:
+        """The context-parallel ranks holding the other parts of this rank's sequences; None without cp."""
+        ...
+
+    @property
     def backward_in_training_step(self) -> bool:
         """True under pipeline parallelism: the schedule runs backward inside training_step."""
         ...
@@ -93,6 +98,7 @@ class PlainStrategy:
     restart_attempt = None
     checkpoint_writer = None
     pp_group = None
+    cp_group = None
     backward_in_training_step = False
     mesh = None
     runs_transforms = False

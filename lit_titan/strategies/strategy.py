@@ -234,6 +234,12 @@ class TitanStrategy(ModelParallelStrategy):
         return self.mesh_views["dp_cp"].get_group()
 
     @property
+    def cp_group(self) -> torch.distributed.ProcessGroup | None:
+        if self.parallel_dims is None or self.parallel_dims.cp == 1:
+            return None
+        return self._device_mesh["cp"].get_group()
+
+    @property
     def mesh(self) -> Any:
         """The 5-D DeviceMesh once ``init_layout`` ran, else None (Lightning's ``device_mesh`` asserts)."""
         return self._device_mesh

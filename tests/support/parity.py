@@ -437,6 +437,9 @@ EP_CASES: dict[str, list[str]] = {
         *SEQUENCE_AUX,
     ],
     "cp2xep2": ["cluster.devices=2", "parallel.cp=2", "parallel.ep=2"],
+    # each cp rank holds 2 of the 4 chunks of every sequence: the per-sequence counts and score sums are
+    # summed over cp (the scores' with autograd) before the sequence-wise loss
+    "cp2xep2_sequence": ["cluster.devices=2", "parallel.cp=2", "parallel.ep=2", *SEQUENCE_AUX],
     # the experts split over ep x tp = 4 ranks, each tp rank dispatching half of the routed tokens
     "ep2xtp2": ["cluster.devices=4", "parallel.tp=2", "parallel.ep=2"],
     # pipeline: every MoE layer back-propagates its own share of the auxiliary loss (models/injected_loss.py);

@@ -16,8 +16,8 @@ expert's hidden width would leave the router's gradient partial over tp (the out
 
 Context parallel uses Llama's attention cores; the global-batch auxiliary loss then counts over the data x
 context ranks (``MoE.count_group``, set by the strategy; cp2 x ep2 parity in
-tests/parity/test_expert_parallel.py). The sequence-wise loss needs whole sequences, so the config refuses it
-with cp > 1 (``config/rules.py: moe_aux_loss_fits_cp``).
+tests/parity/test_expert_parallel.py). The sequence-wise loss sums its per-sequence statistics over the
+context ranks (``MoE.cp_group``, set by the module from the strategy's ``cp_group``).
 
 Pipeline parallel: Llama's units (embedding, one per block, norm + head) and stage I/O. No stage but the last
 returns a loss, so under the pipeline runner each MoE layer back-propagates its own share of the auxiliary
