@@ -69,7 +69,16 @@ def test_plan_and_search_count_muon(llama8b_h100, tmp_path):
     from lit_titan.planner.search import Candidate, evaluate
     from lit_titan.strategies.parallel_dims import ParallelDims
 
-    plan = make_plan(["model=llama3_debug", "cluster=h100_8", "optim=muon", "callbacks=[]", f"run_dir={tmp_path}"])
+    plan = make_plan(
+        [
+            "model=llama3_debug",
+            "cluster=h100_8",
+            "cluster.devices=1",
+            "optim=muon",
+            "callbacks=[]",
+            f"run_dir={tmp_path}",
+        ]
+    )
     assert plan["perf"]["muon_s"] > 0 and "\nmuon: " in render_table(plan)
     cfg = llama8b_h100["muon"]
 
