@@ -146,6 +146,7 @@ def _setup(cfg) -> dict[str, Any]:
         reshard=bool(cfg.parallel.reshard_after_forward),
         grs=str(cfg.parallel.get("grad_reduce_scatter", "every_microbatch")),
         cp_mode=str(cfg.parallel.get("cp_mode", "allgather")),
+        optim=optimizer_states(cfg),
     )
 
 
@@ -176,6 +177,7 @@ def _predict(s: dict[str, Any], eff: Efficiencies) -> dict[str, Any]:
         float8=s["f8"],
         eff=eff,
         cp_mode=s["cp_mode"],
+        optimizer_states=s["optim"],
     )
 
 

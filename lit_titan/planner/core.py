@@ -230,6 +230,7 @@ def make_plan_from_cfg(
         float8=layout.float8_layers > 0,
         eff=eff or estimate.DEFAULT_EFFICIENCIES,
         cp_mode=cp_mode,
+        optimizer_states=optimizer_states(cfg),
     )
     if dims.cp > 1:
         plan["context_parallel"] = _context_parallel(args, dims, micro, seq_len, cp_mode, precision, plan["perf"])
@@ -362,6 +363,13 @@ def render_table(plan: dict[str, Any]) -> str:
             f"optimizer {perf['optimizer_s']:.3f} [{perf['optimizer']}])  "
             f"tokens/s/device {perf['tokens_per_sec_per_device']:.0f}  MFU bound {perf['mfu_bound']:.1%}"
         )
+        if perf.get("muon_flops"):
+            lines.append(
+                f"muon: {perf['muon_s']:.2f} s per step (Newton-Schulz {perf['muon_flops'] / 1e12:,.0f} TFLOP at "
+                f"{perf['muon_fp32_flops_per_s'] / 1e12:.0f} TFLOP/s fp32: {perf['muon_newton_schulz_s']:.2f} s; "
+                f"gather {perf['muon_gather_bytes'] / 1e9:.1f} GB fp32: {perf['muon_gather_s']:.2f} s; "
+                f"every rank orthogonalises {perf['muon_matrix_numel'] / 1e9:.2f}B elements)"
+            )
     cp = plan.get("context_parallel")
     if cp:
         timing = f"; {cp['exposed_s']:.3f} s of {cp['comm_s']:.3f} s per step exposed" if "comm_s" in cp else ""

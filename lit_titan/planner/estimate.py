@@ -21,7 +21,7 @@ from typing import Any
 from lit_titan.data.batch_layout import BatchLayout
 from lit_titan.observe.throughput import peak_flops  # noqa: F401 - also this module's API
 from lit_titan.planner import cp_modes, moe
-from lit_titan.planner.optimizer_state import OptimizerStates
+from lit_titan.planner.optimizer_state import OptimizerStates, muon_cost
 
 GIB = 1024**3
 
@@ -274,6 +274,7 @@ def step_time(
     float8: bool = False,
     eff: Efficiencies = DEFAULT_EFFICIENCIES,
     cp_mode: str = "allgather",
+    optimizer_states: OptimizerStates | None = None,
 ) -> dict[str, Any]:
     """A deliberately simple bound: compute, exposed communication, pipeline bubble.
 
@@ -283,6 +284,10 @@ def step_time(
                 reduce-scatters: one per micro-batch (every_microbatch, and always under PP), else one
     optimizer = AdamW tensor passes (ADAMW_TENSOR_PASSES, by the kernel training picks) x the rank's
                 parameter bytes / HBM bandwidth (cluster.hbm_gbps); after the pipelined part
+    muon      = optim=muon (``optimizer_states``): every rank gathers each hidden matrix of its stages whole
+                (fp32, (n-1)/n of it over the fsdp x tp ranks that split it, on their link) and runs
+                Newton-Schulz on it at the fp32 rate (the rate of ring's fp32 kernel, planner/cp_modes.py);
+                exposed, after the pipelined part (planner/optimizer_state.py)
     tp_comm   = per block and micro-batch 4 collectives forward, 4 backward (+4 when recomputed), halved with
                 model.parallel_block (one all-gather and one reduce-scatter serve both branches), each
                 (t-1)/t * 2*s*b*h bytes over NVLink (or IB if the TP group spans nodes); exposed
@@ -296,7 +301,7 @@ def step_time(
     bubble    = (p-1)/(m*v + p-1) of the pipelined time;
     share     = processes per node / cores_per_node when above 1 (CPU profiles): scales compute and overhead
     hsdp      = all-reduce of the gradient shards over dp_replicate (once per step), exposed
-    step      = (max(compute, fsdp) + tp + cp + ep) / (1 - bubble) + hsdp + optimizer + overhead
+    step      = (max(compute, fsdp) + tp + cp + ep) / (1 - bubble) + hsdp + optimizer + muon + overhead
 
     The efficiencies (compute, comm, hbm, Float8 speed-up, overhead) come from ``eff``: the defaults
     or a calibration file (lit_titan/planner/calibrate.py).
@@ -388,7 +393,8 @@ def step_time(
     hbm_bw = float(cluster.get("hbm_gbps") or 0) * 1e9 * eff.hbm
     state_bytes = layout.local_param_bytes if precision != "bf16-true" else layout.local_numel * 2
     optimizer_s = ADAMW_TENSOR_PASSES[optimizer] * state_bytes / hbm_bw if hbm_bw and optimizer != "for_loop" else 0.0
-    step_s = busy / (1 - bubble) + hsdp_s + optimizer_s + eff.overhead_s * share
+    muon = _muon_time(args, dims, cluster, layout, precision, eff, share, bandwidth, optimizer_states)
+    step_s = busy / (1 - bubble) + hsdp_s + optimizer_s + muon["muon_s"] + eff.overhead_s * share
     mfu = rank_flops / (step_s * peak)
     return {
         "available": True,
@@ -415,9 +421,31 @@ def step_time(
         "fsdp_reduce_scatters": reduce_scatters,
         "optimizer": optimizer,
         "optimizer_s": optimizer_s,
+        **muon,
         "fsdp_link": "nvlink" if n * dims.tp <= per_node else "infiniband",
         "tp_link": "nvlink" if dims.tp <= per_node else "infiniband",
         "ep_link": "nvlink" if dims.ep * dims.tp <= per_node else "infiniband",
+    }
+
+
+def _muon_time(args, dims, cluster, layout, precision, eff, share, bandwidth, states) -> dict[str, Any]:
+    """Muon's gathered orthogonalisation per step (step_time's ``muon`` term); zeros for other optimizers."""
+    if states is None or states.name != "muon":
+        return {"muon_s": 0.0}
+    split = dims.fsdp_size * dims.tp  # FSDP (dp_shard x cp) and TP split every hidden matrix
+    cost = muon_cost(args, layers=layout.layers_on_rank, split=split, ns_steps=states.ns_steps)
+    peak = peak_flops(cluster, precision)
+    rate = cp_modes.ring_kernel_rate(cluster, precision, peak * eff.compute, eff.compute) / share
+    ns_s = cost["flops"] / rate
+    gather_s = cost["gather_bytes"] / bandwidth(split) if split > 1 else 0.0
+    return {
+        "muon_s": ns_s + gather_s,
+        "muon_newton_schulz_s": ns_s,
+        "muon_gather_s": gather_s,
+        "muon_flops": cost["flops"],
+        "muon_gather_bytes": cost["gather_bytes"],
+        "muon_matrix_numel": cost["matrix_numel"],
+        "muon_fp32_flops_per_s": rate,
     }
 
 

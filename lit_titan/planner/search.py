@@ -48,6 +48,7 @@ TERMS = (
     ("bubble_s", "pipeline bubble"),
     ("hsdp_comm_s", "HSDP all-reduce"),
     ("optimizer_s", "optimizer step"),
+    ("muon_s", "Muon's gather and Newton-Schulz"),
 )
 
 
@@ -254,6 +255,7 @@ def evaluate(
             float8=c.float8,
             eff=eff,
             cp_mode=c.cp_mode,
+            optimizer_states=optimizer_states,
         )
 
 
