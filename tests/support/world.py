@@ -271,6 +271,11 @@ def _worker(rank: int, size: int, port: int, timeout_s: int, log_dir: Path, inbo
         NODE_RANK="0",
         LOCAL_WORLD_SIZE=str(size),
     )
+    # A spawned child inherits the "spawn" start method (multiprocessing's spawn.prepare sets it), so
+    # the cases' loader workers would each start an interpreter and import torch + lit_titan (measured:
+    # dp4 x 2 workers, 57-61 s a case against 6-8 s without workers). A rank that torchrun or the command
+    # line starts uses the platform's default (fork on Linux); the world's ranks do the same.
+    mp.set_start_method(mp.get_all_start_methods()[0], force=True)
     from datetime import timedelta
 
     import torch
