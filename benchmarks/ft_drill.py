@@ -85,10 +85,15 @@ def _rank(run: Path, rank: int, port: int, overrides: list[str], dump: Path, att
     clock = run / "steps.csv"
 
     class StepClock(L.Callback):
-        """Job rank 0 appends ``step,time`` after every optimizer step (the drill's timeline)."""
+        """Job rank 0 appends ``step,time`` after every optimizer step (the drill's timeline); not after a
+        micro-batch that only accumulates (the step counter did not move)."""
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.last = trainer.global_step
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if rank == 0:
+            if rank == 0 and trainer.global_step != self.last:
+                self.last = trainer.global_step
                 with clock.open("a") as f:
                     f.write(f"{trainer.global_step},{time.time():.4f}\n")
 
@@ -292,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for mode in ["restart", "replica"] if args.mode == "all" else [args.mode]:
         result = drill(mode, args.out / mode, args)
+        (args.out / mode / "drill.json").write_text(json.dumps(result))  # the faults and the timeline
         rows.append(summarise(result, ref_step, args.out / "reference", args.out / mode, args.steps))
         print(json.dumps(rows[-1]), flush=True)
     settings = {k: getattr(args, k) for k in ("minutes", "kill_every", "ckpt_every", "steps", "seed")}
