@@ -268,6 +268,10 @@ def summarise(result: dict, ref_step: float, ref_dir: Path, run: Path, steps: in
             regroup_s=[float(r["rebuild_s"]) for r in left],
             rejoin_transfer_s=[float(r["transfer_s"]) for r in joined],
         )
+        rejoined = [d for d in sorted(run.glob("dump-replica1-a*")) if final in load_dumps(d)]
+        if rejoined:  # the group that rejoined last and trained to the end: group 0's weights, bitwise
+            theirs = load_dumps(rejoined[-1])[final]["params"]
+            out["rejoined_group_bitwise"] = all(theirs[n].equal(t) for n, t in mine["params"].items())
     return out
 
 
