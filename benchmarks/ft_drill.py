@@ -18,7 +18,7 @@ The final weights (``parity.ParityDump`` at the last step) are compared with the
 bitwise; replica recovery sums the gradients in another order, so within ``parity.TOL``.
 
 The ranks are forked from this process (torch and the trainer imported once), which hosts the job's store, as
-tests/support/scripts/ft_trainer.py does; each writes RUN/<mode>/rank-N[-aA].log. Run it as
+tests/support/scripts/ft_trainer.py does; each writes OUT/<mode>/rank-N-aA.log (A: its start). Run it as
 ``python benchmarks/ft_drill.py --mode all --minutes 3 --kill-every 30 --ckpt-every 20 --steps 200``
 (docs/fault_tolerance.md, "The repeated-fault drill", has the figures). Faults stop after ``--minutes`` or at the
 last step, whichever comes first.
