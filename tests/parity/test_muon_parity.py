@@ -112,17 +112,25 @@ def test_mup_dp2_tp2_matches_single_process(tmp_path, worlds):
     """model.mup at twice the base width under FSDP x TP: the per-group lrs (Muon's matrices at lr / sqrt(2),
     AdamW's embedding, head and norms at lr), the halved logits and the attention scale, against one process
     with the same settings. lr 5e-2 (at 2e-2 the loss fell by 0.36 only in the 8 steps) and clipping at 0.2:
-    muP's halved logits give gradient norms of 0.28-0.32 (seen), under parity.CLIP at some steps."""
+    muP's halved logits give gradient norms of 0.28-0.32 (seen), under parity.CLIP at some steps. Its step-4
+    checkpoint (the per-group lrs live in the optimizer's param groups) resumed by one process continues with
+    the uninterrupted steps 4-7."""
     clip = 0.2
-    mup = [*MUON, "optim.lr=5e-2", "model.mup=true", "model.mup_base_width=32", "checkpoint.enabled=false"]
+    mup = [*MUON, "optim.lr=5e-2", "model.mup=true", "model.mup_base_width=32"]
     mup.append(f"trainer.gradient_clip_val={clip}")
-    reference = run_dump(worlds, [*PARITY, *mup, "cluster.devices=1"], tmp_path / "single")
-    run_dump(worlds, [*PARITY, *mup, "cluster.devices=4", "parallel.tp=2"], tmp_path / "dp2_tp2")
+    off = "checkpoint.enabled=false"
+    reference = run_dump(worlds, [*PARITY, *mup, off, "cluster.devices=1"], tmp_path / "single")
+    run_dump(worlds, [*PARITY, *mup, *SAVE, "cluster.devices=4", "parallel.tp=2"], tmp_path / "dp2_tp2")
     ref_losses = losses(reference)
     assert ref_losses[0] - ref_losses[-1] >= MIN_LOSS_DROP, ref_losses
     assert min(norms(reference / "dump").values()) > clip, "clipping never engaged in the reference"
     ratio, what = measure("mup_muon_dp2_tp2", reference, tmp_path / "dp2_tp2").margin(TOL)
     assert ratio <= 1.0, f"muP under dp2 x tp2: parity broken: {what}"
+    ckpt = tmp_path / "dp2_tp2" / "checkpoints" / f"step-{RESUME_STEP:06d}"
+    resumed = run_dump(worlds, [*PARITY, *mup, off, "cluster.devices=1", f"resume={ckpt}"], tmp_path / "resumed")
+    assert [int(r["step"]) for r in read_metrics(resumed)] == list(range(RESUME_STEP, STEPS))  # continues
+    ratio, what = measure("mup_resume_dp2_tp2_into_single", reference, resumed).margin(TOL)
+    assert ratio <= 1.0, f"muP resumed from dp2 x tp2 on one process: parity broken: {what}"
 
 
 def test_the_report_plots_muons_update_rms_per_layer_group(reference, tmp_path):
