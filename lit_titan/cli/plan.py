@@ -50,7 +50,7 @@ def split_plan_keys(overrides: list[str] | tuple[str, ...]) -> tuple[dict[str, s
 
 def _efficiencies(keys: dict[str, str]):
     from lit_titan.planner.calibrate import load_calibration
-    from lit_titan.planner.moe import with_expert_imbalance
+    from lit_titan.planner.estimate import with_expert_imbalance
 
     eff = load_calibration(keys["plan.calibration"]) if keys.get("plan.calibration") else None
     return with_expert_imbalance(eff, keys.get("plan.expert_imbalance"))

@@ -69,6 +69,24 @@ class Efficiencies:
 DEFAULT_EFFICIENCIES = Efficiencies()
 
 
+def with_expert_imbalance(eff, value: str | float | None):
+    """``eff`` (None: the defaults) with ``plan.expert_imbalance=value``; ConfigError for a value below 1."""
+    from lit_titan.errors import ConfigError
+
+    if value is None:
+        return eff
+    try:
+        x = float(value)
+    except ValueError:
+        x = float("nan")
+    if not x >= 1.0:  # NaN too
+        raise ConfigError(
+            f"plan.expert_imbalance={value}: not a max/mean ratio of tokens per expert (a number >= 1); use e.g. "
+            f"plan.expert_imbalance=1.0 (balanced) or the max/mean the run report shows"
+        )
+    return (eff or DEFAULT_EFFICIENCIES).with_(expert_imbalance=x)
+
+
 def float8_flops_per_token(args) -> float:
     """Training FLOPs per token of the transformer blocks' Linears, the ones Float8 converts
     (the output head stays bf16, as in TorchTitan and lit_titan.callbacks.Float8)."""

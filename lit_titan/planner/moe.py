@@ -73,22 +73,3 @@ def routed_activation_bytes_per_token(args) -> float:
         return 0.0
     per_layer = 2 * 2 * m.top_k * args.dim + 2 * 4 * m.num_experts
     return per_layer * len(moe_layers(args)) / args.n_layers
-
-
-def with_expert_imbalance(eff, value: str | float | None):
-    """``eff`` (None: the defaults) with ``plan.expert_imbalance=value``; ConfigError for a value below 1."""
-    from lit_titan.errors import ConfigError
-    from lit_titan.planner.estimate import DEFAULT_EFFICIENCIES
-
-    if value is None:
-        return eff
-    try:
-        x = float(value)
-    except ValueError:
-        x = float("nan")
-    if not x >= 1.0:  # NaN too
-        raise ConfigError(
-            f"plan.expert_imbalance={value}: not a max/mean ratio of tokens per expert (a number >= 1); use e.g. "
-            f"plan.expert_imbalance=1.0 (balanced) or the max/mean the run report shows"
-        )
-    return (eff or DEFAULT_EFFICIENCIES).with_(expert_imbalance=x)
