@@ -53,6 +53,7 @@ SHARED_CASES = {
         "data.micro_batch_size=2",
         RING,
     ],
+    "pp2xcp2_ulysses": ["cluster.devices=4", "parallel.pp=2", "parallel.cp=2", "parallel.cp_mode=ulysses"],
 }
 
 
@@ -106,6 +107,10 @@ DOC_CASES = {
         "parallel.pp_microbatches=2",
         ULYSSES,
     ],
+    "docs_cp4_allgather": ["cluster.devices=4", "parallel.cp=4"],
+    "docs_pp2xcp2_allgather": ["cluster.devices=4", "parallel.pp=2", "parallel.cp=2", "parallel.pp_microbatches=2"],
+    "docs_dp2xcp2_accum2_ulysses": ["cluster.devices=4", "parallel.cp=2", "data.micro_batch_size=2", ULYSSES],
+    "docs_cp2xtp2_ring": ["cluster.devices=4", "parallel.cp=2", "parallel.tp=2", RING],
 }
 DOC_MUTANT = ("cp_document_boundary_across_chunk", "docs_cp4_ring")  # its target (tests/parity/test_mutants.py)
 
@@ -169,6 +174,7 @@ KV4_CASES = {
         "data.micro_batch_size=2",
         ULYSSES,
     ],
+    "kv4_cp4_ulysses": ["cluster.devices=4", "parallel.cp=4", ULYSSES],
 }
 
 

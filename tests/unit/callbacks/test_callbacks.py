@@ -63,11 +63,21 @@ def test_callbacks_refuse_strategies_that_cannot_apply_them():
         ActivationCheckpointing(mode="sometimes")
 
 
-def test_compile_refuses_context_parallel():
-    strategy = TitanStrategy(cp=2)
-    strategy.parallel_dims = ParallelDims.resolve(4, cp=2)
-    with pytest.raises(NotImplementedError, match="parallel.cp"):
-        Compile().setup(SimpleNamespace(strategy=strategy), None, "fit")
+def test_compile_under_context_parallel_drops_fullgraph(monkeypatch):
+    """Under cp > 1 each block's attention core stays eager (one graph break per block), so the compile
+    transform asks for fullgraph=False whatever the setting; without cp it keeps the setting. Training
+    equality: tests/parity/test_cp_modes.py (cp2xtp2_ring_ac_compile)."""
+    from lit_titan.strategies import transforms
+
+    seen = []
+    monkeypatch.setattr(transforms, "compile_blocks", lambda model, plan, **kw: seen.append(kw["fullgraph"]))
+    for cp in (2, 1):
+        strategy = TitanStrategy(cp=cp)
+        strategy.parallel_dims = ParallelDims.resolve(4, cp=cp)
+        Compile(fullgraph=True).setup(SimpleNamespace(strategy=strategy), None, "fit")
+        for fn in strategy._transforms["compile"]:
+            fn(None, None, strategy)
+    assert seen == [False, True]
 
 
 STEPS = 5
