@@ -229,9 +229,10 @@ class PretrainModule(L.LightningModule, ModuleContract):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Log what the optimizer measured during the step just taken (Muon's update RMS), then forget it."""
         for optimizer in self.trainer.optimizers:
-            for group, rms in getattr(optimizer, "update_rms", {}).items():
-                self.log(f"optim/update_rms/{group}", rms, on_step=True, on_epoch=False)
-            if getattr(optimizer, "update_rms", None):
+            measured = getattr(optimizer, "update_rms", None)
+            if measured:
+                for group, rms in measured.items():
+                    self.log(f"optim/update_rms/{group}", rms, on_step=True, on_epoch=False)
                 optimizer.update_rms = {}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -147,15 +147,6 @@ def test_stochastic_rounding_is_unbiased_where_nearest_rounding_stalls():
     assert abs(stochastic.float().mean().item() - exact) < 5e-4
 
 
-@pytest.fixture
-def one_thread():
-    """Python-bound tiny steps: one thread is 3-10x faster than contending for the shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_bf16_moments_track_the_fp32_average(one_thread):
     """AdamW's second moment over 400 steps of a constant gradient, stored in bf16: within 0.2% of the exact
     average (seen 1.4e-4); the optimizer's store rounded to nearest instead misses by 2.1%."""

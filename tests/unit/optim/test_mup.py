@@ -19,15 +19,6 @@ from lit_titan.optim.build import OptimConfig, build_optimizer
 from paths import ROOT
 
 
-@pytest.fixture
-def one_thread():
-    """Python-bound tiny steps: one thread is 3-10x faster than contending for the shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model(**mup):
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32, max_seq_len=32)
     model = Transformer(args.with_overrides(**mup))
