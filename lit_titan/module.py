@@ -201,7 +201,7 @@ class PretrainModule(L.LightningModule, ModuleContract):
         outside the last stage's loss; the parts are summed over the stages where the step is logged)."""
         if not hasattr(self.model, "last_aux_loss"):
             return None
-        if self.strategy_contract.backward_in_training_step:
+        if self.strategy_contract.pp_group is not None:  # pipeline stages: not fault tolerance's own backward
             moe = getattr(self.model_args, "moe", None)  # the same on every stage, so every stage joins the sum
             if moe is None or not moe.has_aux_loss:
                 return None
@@ -249,7 +249,7 @@ class PretrainModule(L.LightningModule, ModuleContract):
             step_loss = self._step_loss / max(self._micro_batches, 1)
             aux = None if self._step_aux_loss is None else self._step_aux_loss / max(self._micro_batches, 1)
             pp_group = self.strategy_contract.pp_group
-            if aux is not None and self.strategy_contract.backward_in_training_step and pp_group is not None:
+            if aux is not None and pp_group is not None:
                 # each stage holds its layers' part, and the pipeline's loss (the last stage's) excludes it
                 torch.distributed.all_reduce(aux, group=pp_group)
                 step_loss = step_loss + aux

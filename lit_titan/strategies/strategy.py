@@ -190,6 +190,11 @@ class TitanStrategy(ModelParallelStrategy):
             dims.world_size // dims.dp_replicate, pp=dims.pp, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp, ep=dims.ep
         )
 
+    @property
+    def _job_rank(self) -> int:
+        """This process's rank in the whole job (under fault tolerance Lightning's ranks are its group's)."""
+        return self.node_rank * self.num_processes + self.local_rank
+
     def _ft_group_size(self) -> int:
         replicas = self._resolved_dims.dp_replicate if self._resolved_dims else self._degrees["dp_replicate"]
         return self.num_nodes * self.num_processes // max(replicas, 1)
@@ -210,14 +215,12 @@ class TitanStrategy(ModelParallelStrategy):
             return super().set_world_ranks()
         from lit_titan.fault_tolerance.lightning_step import set_group_ranks
 
-        set_group_ranks(
-            self.cluster_environment, self.node_rank * self.num_processes + self.local_rank, self._ft_group_size()
-        )
+        set_group_ranks(self.cluster_environment, self._job_rank, self._ft_group_size())
 
     @property
     def is_global_zero(self) -> bool:
         if self.fault_tolerance.enabled:
-            return self.node_rank * self.num_processes + self.local_rank == 0
+            return self._job_rank == 0
         return super().is_global_zero
 
     @property
@@ -318,7 +321,7 @@ class TitanStrategy(ModelParallelStrategy):
 
             self.replica_step = ReplicaStep.start_world(
                 self.fault_tolerance,
-                self.node_rank * self.num_processes + self.local_rank,
+                self._job_rank,
                 self._ft_group_size(),
                 self.job_dims.dp_replicate,
                 self._get_process_group_backend(),
