@@ -162,7 +162,8 @@ def test_known_warnings_hide_exactly_the_listed_messages():
 
 
 def test_known_log_lines_of_torch_are_dropped_and_others_kept(caplog):
-    """torchao's enum registration (every plan with Float8) and DTensor's per-rank note on the grad norm."""
+    """torchao's enum registration (every plan with Float8), DTensor's per-rank note on the grad norm and
+    inductor's on-disk cache miss."""
     import logging
 
     import lit_titan  # noqa: F401 - installs the filters
@@ -171,6 +172,7 @@ def test_known_log_lines_of_torch_are_dropped_and_others_kept(caplog):
         logging.getLogger("torch.utils._pytree"),
         logging.getLogger("torch.distributed.tensor._redistribute"),
     )
+    codecache = logging.getLogger("torch._inductor.codecache")
     with caplog.at_level(logging.WARNING):
         pytree.warning(
             "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type.",
@@ -181,6 +183,10 @@ def test_known_log_lines_of_torch_are_dropped_and_others_kept(caplog):
             "Replicate()), 2 sequential all_reduce operations will be performed."
         )
         redistribute.warning("While redistributing from (Shard(0),) to (Replicate(),), something new")
+        try:  # as inductor logs it: the message with the pickling error's traceback
+            raise TypeError("cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object")
+        except TypeError:
+            codecache.warning("fx graph cache unable to serialize compiled graph", exc_info=True)
     assert [r.getMessage()[-13:] for r in caplog.records] == ["something new"]
 
 
