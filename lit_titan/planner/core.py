@@ -143,6 +143,7 @@ def make_plan_from_cfg(
     loss_chunk = resolve_chunk_tokens(
         (cfg.get("loss") or {}).get("chunk_tokens", LossConfig().chunk_tokens), args.vocab_size
     )
+    states = optimizer_states(cfg)
     mem = estimate.rank_memory(
         args,
         dims,
@@ -157,7 +158,7 @@ def make_plan_from_cfg(
         grad_reduce_scatter=grad_reduce_scatter,
         loss_chunk_tokens=loss_chunk,
         document_masking=bool((cfg.get("data") or {}).get("document_masking", False)),
-        optimizer_states=optimizer_states(cfg),
+        optimizer_states=states,
         cp_mode=cp_mode,
     )
     param_bytes, grad_bytes, optimizer_bytes = mem["param_bytes"], mem["grad_bytes"], mem["optimizer_bytes"]
@@ -196,7 +197,7 @@ def make_plan_from_cfg(
             where = f"pp rank {plan.get('most_loaded_pp_rank', 0)}" if dims.pp > 1 else "rank 0"
             reasons.append(
                 f"out of memory: {where} needs an estimated {plan['max_total_bytes'] / GIB:.1f} GiB "
-                f"(params {param_bytes / GIB:.1f} + grads {grad_bytes / GIB:.1f} + AdamW "
+                f"(params {param_bytes / GIB:.1f} + grads {grad_bytes / GIB:.1f} + {states.label} "
                 f"{optimizer_bytes / GIB:.1f} + activations {act0['total'] / GIB:.1f} + FSDP buffers "
                 f"{buffers / GIB:.1f} on rank 0) > {hbm:g} GiB HBM - {HBM_RESERVE_GIB:g} GiB reserve; "
                 f"{unsharded_hint}shard more (parallel.tp/pp), checkpoint activations (mode=full) or "

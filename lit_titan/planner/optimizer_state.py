@@ -28,6 +28,11 @@ class OptimizerStates:
     elem_bytes: int | None = None  # None: the parameters' own
     ns_steps: int = 5  # Muon's Newton-Schulz iterations
 
+    @property
+    def label(self) -> str:
+        """How a user's config names it (the out-of-memory line names the states it counts)."""
+        return {"adamw": "AdamW", "lamb": "LAMB", "muon": "Muon"}.get(self.name, self.name)
+
     def bytes(self, local_numel: int, local_matrix_numel: int, param_elem: int) -> int:
         """State bytes for ``local_numel`` parameter elements, ``local_matrix_numel`` of them in hidden matrices."""
         elem = self.elem_bytes or param_elem

@@ -440,7 +440,7 @@ def render_search(result: dict[str, Any]) -> str:
             f"{r['tokens_per_sec_per_device']:10.1f} {r['mfu']:6.1%} {r['bubble']:6.1%}{mark}"
         )
     lines.append(
-        "memory in GiB per device (states: params + grads + AdamW; max: the most loaded pp rank); "
+        "memory in GiB per device (states: params + grads + optimizer states; max: the most loaded pp rank); "
         "cpN: context parallel all-gather, cpNu Ulysses, cpNr ring; "
         "* confirmed by building it (TitanStrategy.parallelize on a meta model, fake process group)"
     )

@@ -115,8 +115,20 @@ def test_405b_on_one_node_does_not_fit(tmp_path):
         ["model=llama3_405b", "cluster=h100_8", "data.seq_len=8192", "data.global_batch_size=8", f"run_dir={tmp_path}"]
     )
     assert plan["fits"] is False
-    assert any("memory" in r for r in plan["reasons"])
+    assert any("memory" in r and "+ AdamW " in r for r in plan["reasons"])
     assert plan["per_rank"]["total_bytes"] > 80 * 1024**3
+    # the line names the optimizer whose states it counts
+    muon = make_plan(
+        [
+            "model=llama3_405b",
+            "cluster=h100_8",
+            "data.seq_len=8192",
+            "data.global_batch_size=8",
+            "optim=muon",
+            f"run_dir={tmp_path / 'muon'}",
+        ]
+    )
+    assert any("memory" in r and "+ Muon " in r for r in muon["reasons"]), muon["reasons"]
 
 
 def test_invalid_layouts_are_reasons_not_crashes(tmp_path):
