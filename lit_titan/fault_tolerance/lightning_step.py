@@ -172,6 +172,8 @@ class ReplicaStep:
             rejoin=self.rejoining,
             data_shard=self.data_shard,
             data_shards=self.data_shards,
+            # a schedule step trains whole micro-batches: hand a dead group's samples over in them
+            handover=self.data_shards * self.micro if self.pipeline is not None else None,
         )
 
     def run(self, module: Any, batch: Any, optimizers: list[torch.optim.Optimizer]) -> Tensor:

@@ -73,15 +73,18 @@ class ReplicaGroups:
         rejoin: bool = False,
         data_shard: int | None = None,
         data_shards: int | None = None,
+        handover: int | None = None,
     ) -> None:
         """``shard``/``shards``: this rank's position in its replica and the replica's rank count;
         ``data_shard``/``data_shards``: its data-parallel index in the replica and their count (FSDP's
-        ranks; default: every rank is one); ``params``/``optimizer``: what a rejoining group receives
+        ranks; default: every rank is one); ``handover``: the samples a dead replica's share is handed
+        over in (default ``data_shards``); ``params``/``optimizer``: what a rejoining group receives
         (needed to admit one); ``rejoin``: this rank belongs to a group restarted after it left; call
         ``join`` before training."""
         self.replica, self.replicas, self.shard, self.shards = replica, replicas, shard, shards
         self.data_shard = shard if data_shard is None else data_shard
         self.data_shards = shards if data_shards is None else data_shards
+        self.handover = handover
         self.rank = replica * shards + shard
         self.shard_group, self.global_batch, self.run_dir = shard_group, global_batch, run_dir
         self.timeout_s, self.dead_after_s = timeout_s, dead_after_s
@@ -92,7 +95,7 @@ class ReplicaGroups:
         self.params, self.optimizer = list(params), optimizer
         self.epoch, self.members = 0, list(range(replicas))
         self.group = None if rejoin else CrossReplicaGroup(self.store, 0, self.members, replica, shard, timeout_s)
-        self.assignment = Assignment.initial(global_batch, replicas, self.data_shards, self.members)
+        self.assignment = Assignment.initial(global_batch, replicas, self.data_shards, self.members, handover)
         self.step, self._detect_s = -1, 0.0
 
     def join(self) -> int:
@@ -167,7 +170,9 @@ class ReplicaGroups:
         """
         self.step = step
         self._admit(step)
-        self.assignment = Assignment.initial(self.global_batch, self.replicas, self.data_shards, self.members)
+        self.assignment = Assignment.initial(
+            self.global_batch, self.replicas, self.data_shards, self.members, self.handover
+        )
         return self.assignment.rank_samples(self.replica, self.data_shard)
 
     def _weight(self) -> float:
