@@ -2,10 +2,11 @@
 
 Fault-free, data-parallel rank ``d = replica * shards + shard`` trains the ``d``-th contiguous slice
 of the global batch. When replicas die, the samples they held are handed, in units of ``shards``
-samples (``unit``: under pipeline parallelism ``shards`` micro-batches), to the live replicas, which keep their own: the step still trains every sample of the
-global batch once. Each replica's samples are a list of chunks (its own share, then one chunk per
-hand-over); a shard rank trains its even part of every chunk, so the ranks of a replica always hold
-equally many samples (FSDP averages over them) and a hand-over during a step only adds work.
+samples (``unit``: under pipeline parallelism ``shards`` micro-batches), to the live replicas,
+which keep their own: the step still trains every sample of the global batch once. Each
+replica's samples are a list of chunks (its own share, then one chunk per hand-over); a shard rank
+trains its even part of every chunk, so the ranks of a replica always hold equally many samples
+(FSDP averages over them) and a hand-over during a step only adds work.
 """
 
 from __future__ import annotations
