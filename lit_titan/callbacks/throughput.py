@@ -121,10 +121,12 @@ class ThroughputMonitor(L.Callback):
         # Per device: global tokens / world size. Lightning's ThroughputMonitor multiplies the
         # per-rank count by the world size and so over-counts TP/CP/PP peers that process the
         # same tokens; dividing the *global* count by the world size gives the same per-device
-        # numbers for the same per-device work under any layout.
+        # numbers for the same per-device work under any layout. Under replica-group fault
+        # tolerance Lightning's world is one group: the divisor is the job's live ranks.
         model_args = module_contract(pl_module).model_args
         fpt = flops_per_token(model_args, self._seq_len, self.num_params) if model_args is not None else 0.0
-        values = per_device_throughput(global_tokens, seconds, trainer.world_size, fpt, self.peak_tflops)
+        devices = contract(trainer.strategy).training_devices
+        values = per_device_throughput(global_tokens, seconds, devices, fpt, self.peak_tflops)
         if model_args is None:
             values.pop("tflops_per_device")
             values.pop("mfu", None)

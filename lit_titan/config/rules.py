@@ -300,7 +300,7 @@ MODEL_RULES = (loss_chunks, seq_len_fits_model, tokenizer_fits_model, sliding_wi
 
 
 def fault_tolerance_layout(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
-    """Replica-group fault tolerance needs replica groups, and its step spans data parallelism only (yet)."""
+    """Replica-group fault tolerance needs replica groups, and its step spans data and pipeline parallelism only (yet)."""
     if not (cfg.get("fault_tolerance") or {}).get("enabled"):
         return
     if dims.dp_replicate < 2:
@@ -308,11 +308,12 @@ def fault_tolerance_layout(cfg: DictConfig, args: ModelArgs, dims: ParallelDims)
             f"fault_tolerance.enabled=true: parallel.dp_replicate={dims.dp_replicate}, there is no other replica "
             "group to go on without one; set parallel.dp_replicate >= 2 (HSDP) or fault_tolerance.enabled=false"
         )
-    for name in ("pp", "cp", "tp", "ep"):
+    for name in ("cp", "tp", "ep"):  # lit_titan/fault_tolerance/lightning_step.py: UNSUPPORTED
         if getattr(dims, name) > 1:
             raise ConfigError(
                 f"parallel.{name}={getattr(dims, name)}: fault_tolerance.enabled=true trains replica groups of "
-                f"FSDP ranks only (yet); set parallel.{name}=1 or fault_tolerance.enabled=false (restart + resume=auto)"
+                f"FSDP and pipeline ranks only (yet); set parallel.{name}=1 or fault_tolerance.enabled=false "
+                "(restart + resume=auto)"
             )
     if cfg.trainer.limit_val_batches:
         raise ConfigError(

@@ -10,6 +10,12 @@ and ``ReplicaStep.run`` trains the samples ``ReplicaGroups`` assigns it, in micr
 ``data.micro_batch_size`` (the accumulation), then makes the cross-replica sum; when a group died
 it trains that group's samples on top and sums again. Lightning's own backward is skipped
 (``backward_in_training_step``), as under pipeline parallelism.
+
+With pipeline parallelism inside a replica group (``parallel.pp > 1``) each micro-batch is one step of
+the pipeline schedule (split into its ``parallel.pp_microbatches``), the stage ranks of a data shard
+train the same samples, and each stage rank sums its stage's gradients with the same stage of the
+other groups (its position in the group is its cross-replica group). A stage rank's death takes its
+whole group out: its peers fail in the schedule's send/receive, or in the group's agreement.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from lit_titan.fault_tolerance.membership import PREFIX
 from lit_titan.fault_tolerance.replicas import ReplicaGroups, ReplicaLost
 from lit_titan.fault_tolerance.settings import FaultToleranceConfig
 
-UNSUPPORTED = ("pp", "cp", "tp", "ep")  # degrees the step protocol does not span yet (config/rules.py refuses)
+UNSUPPORTED = ("cp", "tp", "ep")  # degrees the step protocol does not span yet (config/rules.py refuses)
 
 
 def store_address() -> tuple[str, int]:
@@ -82,6 +88,8 @@ class ReplicaStep:
         self.replica, self.replicas, self.shard, self.shards = replica, replicas, shard, shards
         self.groups: ReplicaGroups | None = None
         self.micro = 1
+        self.data_shard, self.data_shards = shard, shards  # its replica's data-parallel ranks (set in start)
+        self.pipeline: Any = None  # the strategy's PipelineRunner under parallel.pp > 1
         self.rejoining = False
         self.first_step = 0  # a rejoining group's: the step it was admitted at
 
@@ -133,11 +141,20 @@ class ReplicaStep:
             config.scheduler.last_epoch = self.first_step - 1
             config.scheduler.step()
 
+    @property
+    def live_ranks(self) -> int:
+        """The job's ranks in live replica groups (those training the global batch now)."""
+        members = len(self.groups.members) if self.groups is not None else self.replicas
+        return members * self.shards
+
     def start(self, trainer: Any, params: list[Tensor], optimizer: torch.optim.Optimizer) -> None:
         """Join the cross-replica group (every live group's ranks meet here, once training starts)."""
-        data = trainer.datamodule
+        data, strategy = trainer.datamodule, trainer.strategy
+        dims = strategy.parallel_dims  # one replica group's (dp_replicate 1): its data shards are dp_shard
+        self.data_shard, self.data_shards = dims.dp_rank(self.shard), dims.dp
+        self.pipeline = strategy.pipeline
         global_batch = int(data.global_batch_size)
-        self.micro = int(data.ft_micro_batch_size(self.replicas * self.shards))
+        self.micro = int(data.ft_micro_batch_size(self.replicas * self.data_shards))
         self.groups = ReplicaGroups(
             store_address(),
             self.replica,
@@ -153,6 +170,10 @@ class ReplicaStep:
             params=params,
             optimizer=optimizer,
             rejoin=self.rejoining,
+            data_shard=self.data_shard,
+            data_shards=self.data_shards,
+            # a schedule step trains whole micro-batches: hand a dead group's samples over in them
+            handover=self.data_shards * self.micro if self.pipeline is not None else None,
         )
 
     def run(self, module: Any, batch: Any, optimizers: list[torch.optim.Optimizer]) -> Tensor:
@@ -163,12 +184,31 @@ class ReplicaStep:
             optimizer.zero_grad()
 
         def train(samples: list[int]) -> Tensor:
-            """Gradients of the sum of per-sequence losses over ``samples``, micro-batch by micro-batch."""
+            """Gradients of the sum of per-sequence losses over ``samples``, micro-batch by micro-batch.
+
+            Under pipeline parallelism the loss sum lives on the last stage (zero on the others): the
+            replica's sum over its ranks (``ReplicaGroups.reduce``) is the same either way.
+            """
             total = torch.zeros((), device=tokens.device)
             for i in range(0, len(samples), self.micro):
                 rows = samples[i : i + self.micro]
                 inputs, labels = module.split_batch(tokens[rows])
-                loss = module.model_loss(inputs, labels, **{k: v[rows] for k, v in extra.items()}) * len(rows)
+                kwargs = {k: v[rows] for k, v in extra.items()}
+                if self.pipeline is not None:
+                    # each of the schedule's micro-batches back-propagates its mean loss x its sequences
+                    loss = self.pipeline.train_step(
+                        inputs,
+                        labels,
+                        module.compute_loss,
+                        accumulation=1,
+                        sum_over_stages=False,
+                        loss_in_model=module.loss_in_model,
+                        model_kwargs=kwargs,
+                        scale=len(rows) / self.pipeline.microbatches,
+                    )
+                    total = total + loss.detach().float() * len(rows)
+                    continue
+                loss = module.model_loss(inputs, labels, **kwargs) * len(rows)
                 loss.backward()
                 total = total + loss.detach().float()
             return total

@@ -13,6 +13,11 @@ Limits (docs/fault_tolerance.md): a replica dies as a whole (any lost rank takes
 the store must outlive the replica groups; a gloo all-reduce that completes on some members and
 fails on others (a death inside the ring's last round, with three or more replicas) is not detected;
 the last replica's death, and a rank's own failure, end the job (the restart path).
+
+*Positions* and *data shards*: a replica's ranks (``shards`` of them, one per position) each sum with
+the rank at the same position of every other replica; its data shards (``data_shards``, FSDP's
+ranks) split the replica's samples. They differ under pipeline parallelism inside a replica: the
+stage ranks of one data shard train the same samples, and each sums its own stage's gradients.
 """
 
 from __future__ import annotations
@@ -66,10 +71,20 @@ class ReplicaGroups:
         params: Sequence[torch.Tensor] = (),
         optimizer: torch.optim.Optimizer | None = None,
         rejoin: bool = False,
+        data_shard: int | None = None,
+        data_shards: int | None = None,
+        handover: int | None = None,
     ) -> None:
-        """``params``/``optimizer``: what a rejoining group receives (needed to admit one); ``rejoin``:
-        this rank belongs to a group restarted after it left; call ``join`` before training."""
+        """``shard``/``shards``: this rank's position in its replica and the replica's rank count;
+        ``data_shard``/``data_shards``: its data-parallel index in the replica and their count (FSDP's
+        ranks; default: every rank is one); ``handover``: the samples a dead replica's share is handed
+        over in (default ``data_shards``); ``params``/``optimizer``: what a rejoining group receives
+        (needed to admit one); ``rejoin``: this rank belongs to a group restarted after it left; call
+        ``join`` before training."""
         self.replica, self.replicas, self.shard, self.shards = replica, replicas, shard, shards
+        self.data_shard = shard if data_shard is None else data_shard
+        self.data_shards = shards if data_shards is None else data_shards
+        self.handover = handover
         self.rank = replica * shards + shard
         self.shard_group, self.global_batch, self.run_dir = shard_group, global_batch, run_dir
         self.timeout_s, self.dead_after_s = timeout_s, dead_after_s
@@ -80,7 +95,7 @@ class ReplicaGroups:
         self.params, self.optimizer = list(params), optimizer
         self.epoch, self.members = 0, list(range(replicas))
         self.group = None if rejoin else CrossReplicaGroup(self.store, 0, self.members, replica, shard, timeout_s)
-        self.assignment = Assignment.initial(global_batch, replicas, shards, self.members)
+        self.assignment = Assignment.initial(global_batch, replicas, self.data_shards, self.members, handover)
         self.step, self._detect_s = -1, 0.0
 
     def join(self) -> int:
@@ -155,8 +170,10 @@ class ReplicaGroups:
         """
         self.step = step
         self._admit(step)
-        self.assignment = Assignment.initial(self.global_batch, self.replicas, self.shards, self.members)
-        return self.assignment.rank_samples(self.replica, self.shard)
+        self.assignment = Assignment.initial(
+            self.global_batch, self.replicas, self.data_shards, self.members, self.handover
+        )
+        return self.assignment.rank_samples(self.replica, self.data_shard)
 
     def _weight(self) -> float:
         return replica_weight(self.assignment.samples(self.replica), self.global_batch)
@@ -166,14 +183,15 @@ class ReplicaGroups:
         """Make ``grads`` the step's global mean gradient; returns the step's mean loss.
 
         ``grads``: this rank's gradients (FSDP-sharded or not) of the sum of its per-sequence
-        losses, averaged by FSDP over the replica's shard ranks; ``loss_sum``: that sum of losses.
+        losses, averaged by FSDP over the replica's data shards; ``loss_sum``: that sum of losses
+        (zero on a rank whose pipeline stage does not compute the loss).
         """
         samples = self.assignment.samples(self.replica)
         loss = loss_sum.detach().to(torch.float32).reshape(1).clone()
         dist.all_reduce(loss, group=self.shard_group)  # the replica's loss sum (the shard group is intact)
         locals_ = [_local(g) for g in grads]
-        scale = self._weight() / samples  # replica mean (x shards: FSDP averaged), weighted by its share
-        flat = torch.cat([g.reshape(-1).to(torch.float32) * self.shards for g in locals_] + [loss]) * scale
+        scale = self._weight() / samples  # replica mean (x data shards: FSDP averaged), weighted by its share
+        flat = torch.cat([g.reshape(-1).to(torch.float32) * self.data_shards for g in locals_] + [loss]) * scale
         ok = torch.ones(1)
         start = time.monotonic()
         try:
@@ -203,7 +221,7 @@ class ReplicaGroups:
             agreed = time.monotonic()
             left = [r for r in self.members if r not in members]
             self.assignment, gained = self.assignment.without(left)
-            extra += part(gained[self.replica], self.shard, self.shards)
+            extra += part(gained[self.replica], self.data_shard, self.data_shards)
             self.epoch, self.members = epoch, members
             try:
                 self.group = CrossReplicaGroup(self.store, epoch, members, self.replica, self.shard, self.timeout_s)

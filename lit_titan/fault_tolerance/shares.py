@@ -2,10 +2,11 @@
 
 Fault-free, data-parallel rank ``d = replica * shards + shard`` trains the ``d``-th contiguous slice
 of the global batch. When replicas die, the samples they held are handed, in units of ``shards``
-samples, to the live replicas, which keep their own: the step still trains every sample of the
-global batch once. Each replica's samples are a list of chunks (its own share, then one chunk per
-hand-over); a shard rank trains its even part of every chunk, so the ranks of a replica always hold
-equally many samples (FSDP averages over them) and a hand-over during a step only adds work.
+samples (``unit``: under pipeline parallelism ``shards`` micro-batches), to the live replicas,
+which keep their own: the step still trains every sample of the global batch once. Each
+replica's samples are a list of chunks (its own share, then one chunk per hand-over); a shard rank
+trains its even part of every chunk, so the ranks of a replica always hold equally many samples
+(FSDP averages over them) and a hand-over during a step only adds work.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ class Assignment:
     global_batch: int
     shards: int
     chunks: dict[int, list[Chunk]] = field(default_factory=dict)
+    # samples handed over at a time (a multiple of ``shards``; None: ``shards``). Pipeline stages need
+    # ``shards x micro-batch``: a rank's gain is then whole schedule steps.
+    unit: int | None = None
 
     @classmethod
-    def initial(cls, global_batch: int, replicas: int, shards: int, members: Sequence[int]) -> Assignment:
+    def initial(
+        cls, global_batch: int, replicas: int, shards: int, members: Sequence[int], unit: int | None = None
+    ) -> Assignment:
         """Every replica's own share; the shares of replicas not in ``members`` handed to the members."""
         if global_batch % (replicas * shards):
             raise ValueError(
@@ -33,7 +39,7 @@ class Assignment:
             )
         per_replica = global_batch // replicas
         own = {r: [list(range(r * per_replica, (r + 1) * per_replica))] for r in range(replicas)}
-        full = cls(global_batch, shards, own)
+        full = cls(global_batch, shards, own, unit)
         dead = [r for r in range(replicas) if r not in members]
         return full.without(dead)[0] if dead else full
 
@@ -43,7 +49,8 @@ class Assignment:
         members = sorted(r for r in self.chunks if r not in dead)
         if not members:
             raise ValueError("no live replica left to train the global batch")
-        units = [orphans[i : i + self.shards] for i in range(0, len(orphans), self.shards)]
+        size = self.unit or self.shards
+        units = [orphans[i : i + size] for i in range(0, len(orphans), size)]
         gained: dict[int, Chunk] = {}
         start = 0
         for k, r in enumerate(members):  # contiguous, as even as the units allow
@@ -51,7 +58,7 @@ class Assignment:
             gained[r] = [i for unit in units[start:stop] for i in unit]
             start = stop
         chunks = {r: [*self.chunks[r], gained[r]] for r in members}
-        return Assignment(self.global_batch, self.shards, chunks), gained
+        return Assignment(self.global_batch, self.shards, chunks, self.unit), gained
 
     def samples(self, replica: int) -> int:
         return sum(len(c) for c in self.chunks[replica])

@@ -52,6 +52,12 @@ class StrategyContract(Protocol):
     def data_parallel_size(self) -> int: ...
 
     @property
+    def training_devices(self) -> int:
+        """The processes training the global batch now (per-device figures divide by it): the world size,
+        except under replica-group fault tolerance (the job's ranks in live replica groups)."""
+        ...
+
+    @property
     def pp_group(self) -> torch.distributed.ProcessGroup | None: ...
 
     @property
@@ -112,6 +118,10 @@ class PlainStrategy:
 
     @property
     def data_parallel_size(self) -> int:
+        return self._strategy.world_size
+
+    @property
+    def training_devices(self) -> int:
         return self._strategy.world_size
 
     @property

@@ -233,6 +233,7 @@ class PipelineRunner:
         sum_over_stages: bool = True,
         loss_in_model: bool = False,
         model_kwargs: dict[str, Tensor] | None = None,
+        scale: float | None = None,
     ) -> Tensor:
         """Forward and backward of one (Lightning) micro-batch through the pipeline.
 
@@ -242,11 +243,13 @@ class PipelineRunner:
         the inputs; stages without the head ignore it), so its output is already the loss.
         ``model_kwargs`` (per-token ``positions`` / ``documents``, [b, s]) reach every stage the
         same way: each stage's blocks need them for rotary embeddings and the attention mask.
+        ``scale``: each pipeline micro-batch's loss scale, instead of ``1 / (micro-batches x
+        accumulation)`` (replica-group fault tolerance back-propagates sums of per-sequence losses).
         """
         self.check_batch(inputs.shape[0])
         self._loss_fn, self._scale = (
             (_identity_loss if loss_in_model else loss_fn),
-            1.0 / (self.microbatches * accumulation),
+            1.0 / (self.microbatches * accumulation) if scale is None else scale,
         )
         losses: list[Tensor] = []
         kwargs = {**(model_kwargs or {}), **({"labels": labels} if loss_in_model else {})}

@@ -208,6 +208,11 @@ class TitanStrategy(ModelParallelStrategy):
     def data_parallel_rank(self) -> int:
         return self.parallel_dims.dp_rank(self.global_rank) if self.parallel_dims and self.replica_step is None else 0
 
+    @property
+    def training_devices(self) -> int:
+        # Under fault tolerance Lightning's world is one replica group, which trains only its share.
+        return self.replica_step.live_ranks if self.replica_step is not None else self.world_size
+
     def set_world_ranks(self) -> None:
         """Under fault tolerance Lightning's ranks are the replica group's (its world); only the job's
         rank 0 writes what rank zero writes (logs, the run directory's files)."""

@@ -81,6 +81,7 @@ OWN_TESTS = {
     "ft_survivors_keep_old_normaliser": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
     "ft_dead_samples_skipped": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
     "ft_rejoin_stale_weights": "test_replica_loss.py::test_survivors_of_a_lost_replica_group_finish_equal_to_one_process",
+    "ft_pp_sum_skips_a_stage": "test_ft_trainer.py::test_trainer_survives_a_lost_replica_group_equal_to_one_process",
     "muon_orthogonalises_each_shard": "test_muon_parity.py::test_muon_mutant_orthogonalising_each_shard_is_caught",
     "cp_document_boundary_across_chunk": "test_cp_modes.py::test_document_masked_modes_match_single_process",
     "pp_aux_loss_unscaled": "test_expert_parallel.py::test_pipeline_aux_loss_mutant_is_caught_with_a_10x_margin",

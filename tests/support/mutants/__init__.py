@@ -386,6 +386,23 @@ def _ft_rejoin_stale(p: _Patcher) -> None:
 
 
 @mutant(
+    "ft_pp_sum_skips_a_stage",
+    "with pipeline stages inside a replica group, the cross-replica sum leaves out the second stage's parameters "
+    "(their gradients stay the replica's own)",
+    "fault_tolerance/lightning_step.py: ReplicaStep.run (the gradients handed to ReplicaGroups.reduce)",
+)
+def _ft_pp_sum_skips_a_stage(p: _Patcher) -> None:
+    from lit_titan.fault_tolerance.replicas import ReplicaGroups
+
+    original = ReplicaGroups.reduce
+
+    def reduce(self, grads, loss_sum):
+        return original(self, grads if self.shard == 0 else [], loss_sum)  # position 1: pp rank 1 (pp2 x dp_shard 1)
+
+    p.set(ReplicaGroups, "reduce", reduce)
+
+
+@mutant(
     "muon_orthogonalises_each_shard",
     "Muon orthogonalises each rank's FSDP/TP shard of a matrix on its own, not the whole matrix",
     "optim/muon.py: orthogonalised_update",

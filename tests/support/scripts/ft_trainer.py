@@ -1,6 +1,7 @@
 """The real trainer with ``fault_tolerance.enabled=true``: one forked process per rank, the store in this one.
 
-Run by tests/unit/fault_tolerance/test_ft_trainer.py. ``ft_trainer.py RUN_DIR KILL_STEP RESTART OVERRIDE...``: hosts the
+Run by tests/unit/fault_tolerance/test_ft_trainer.py. ``ft_trainer.py RUN_DIR KILL_STEP RESTART [--mutant NAME]
+OVERRIDE...``: hosts the
 job's TCPStore (as a torchrun agent would: it must outlive the replica groups), forks one rank per process of
 the job, each running the train command in-process with the parity dump
 (``parity.train_case``), as Lightning's LightningEnvironment sees an externally launched rank; each replica group is a "node"
@@ -10,7 +11,9 @@ replica group 1 gets ``fault.kill_rank=<its rank in the group> fault.at_step=KIL
 SIGKILLs itself after step KILL_STEP - 1. Replica group 0 dumps to RUN_DIR/dump, group 1 to RUN_DIR/dump-replica1;
 each rank's output in RUN_DIR/rank-N.log; exit codes by rank in RUN_DIR/codes.json. RESTART=1: once group 1
 died, start its ranks again (their exit codes follow; their dump in RUN_DIR/dump-rejoined), holding group 0 at
-step KILL_STEP + 1 until they wait to be admitted.
+step KILL_STEP + 1 until they wait to be admitted. KILL_STEP 0: no fault. ``--mutant NAME``: every rank trains with
+that planted bug (tests/support/mutants/). The job's rank 0 writes its throughput callback's last figures to
+RUN_DIR/throughput.json.
 """
 
 from __future__ import annotations
@@ -25,12 +28,35 @@ from pathlib import Path
 from helpers import _JOB_ENV_DROP
 
 
+def _callbacks(dump: Path, record: Path | None) -> list:
+    import lightning as L
+
+    from lit_titan.callbacks.throughput import ThroughputMonitor
+    from parity import DUMP_STEPS, ParityDump
+
+    class ThroughputRecord(L.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            monitor = next(c for c in trainer.callbacks if isinstance(c, ThroughputMonitor))
+            record.write_text(json.dumps(monitor.last))
+
+    return [ParityDump(dump, DUMP_STEPS), *([ThroughputRecord()] if record else [])]
+
+
 def _rank(
-    run_dir: Path, rank: int, size: int, group: int, port: int, overrides: list[str], dump: Path, log: str = ""
+    run_dir: Path,
+    rank: int,
+    size: int,
+    group: int,
+    port: int,
+    overrides: list[str],
+    dump: Path,
+    log: str = "",
+    mutant: str | None = None,
 ) -> None:
-    log = os.open(run_dir / (log or f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    record = run_dir / "throughput.json" if rank == 0 and not log else None  # the job's rank 0, first start
+    fd = os.open(run_dir / (log or f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -40,9 +66,15 @@ def _rank(
         NODE_RANK=str(rank // group),
         LOCAL_WORLD_SIZE=str(group),
     )
-    from parity import DUMP_STEPS, train_case
+    from functools import partial
 
-    train_case(overrides, str(dump), DUMP_STEPS)
+    from lit_titan.cli.hydra_app import run_app
+    from lit_titan.job.run import train
+    from mutants import applied
+
+    print(f"$ python -m lit_titan.train {' '.join(overrides)}  # parity dump, mutant={mutant}", flush=True)
+    with applied(mutant):
+        run_app(overrides, partial(train, callbacks=_callbacks(dump, record)))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no teardown of gloo state shared with the dead group (lit_titan.job.ranks.exit_rank)
@@ -67,6 +99,9 @@ def main(argv: list[str]) -> None:
     import parity  # noqa: F401
 
     run_dir, kill_step, restart, overrides = Path(argv[0]), int(argv[1]), argv[2] == "1", argv[3:]
+    mutant = None
+    if overrides[:1] == ["--mutant"]:
+        mutant, overrides = overrides[1], overrides[2:]
     run_dir.mkdir(parents=True, exist_ok=True)
     for key in _JOB_ENV_DROP:
         os.environ.pop(key, None)
@@ -79,12 +114,13 @@ def main(argv: list[str]) -> None:
         extra = [f"run_dir={run_dir}"]
         dump = run_dir / "dump"
         if rank // group == 1:
-            extra += [f"fault.kill_rank={rank % group}", f"fault.at_step={kill_step}"]
+            if kill_step:
+                extra += [f"fault.kill_rank={rank % group}", f"fault.at_step={kill_step}"]
             dump = run_dir / "dump-replica1"
         elif rank == 0 and restart:
             extra += ["fault.kill_rank=0", f"fault.at_step={kill_step + 1}", "fault.pause=true"]
         args = (run_dir, rank, size, group, store.port, [*overrides, *extra], dump)
-        procs.append(ctx.Process(target=_rank, args=args))
+        procs.append(ctx.Process(target=_rank, args=args, kwargs={"mutant": mutant}))
         procs[-1].start()
     if restart:  # start replica group 1 again once it died, as a launcher would (logs: rank-N-restarted.log)
         for proc in procs[group : 2 * group]:

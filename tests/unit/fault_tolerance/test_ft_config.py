@@ -15,7 +15,6 @@ FT = ["fault_tolerance.enabled=true"]
     [
         (["cluster.devices=4"], "fault_tolerance.enabled=true: parallel.dp_replicate=1, there is no other replica"),
         (["cluster.devices=4", "parallel.dp_replicate=2", "parallel.tp=2"], "parallel.tp=2: fault_tolerance"),
-        (["cluster.devices=4", "parallel.dp_replicate=2", "parallel.pp=2"], "parallel.pp=2: fault_tolerance"),
         (["cluster.devices=4", "parallel.dp_replicate=2", "parallel.cp=2"], "parallel.cp=2: fault_tolerance"),
         (
             ["cluster.devices=4", "parallel.dp_replicate=2", "trainer.limit_val_batches=2"],
@@ -29,9 +28,12 @@ def test_fault_tolerance_is_refused_where_it_cannot_run(overrides, needle):
         validate(compose([*FT, *overrides]))
 
 
-def test_hsdp_with_fault_tolerance_is_accepted_with_one_lightning_batch_per_step():
+@pytest.mark.parametrize(
+    "layout", [["data.micro_batch_size=1"], ["parallel.pp=2", "data.micro_batch_size=2"]], ids=["hsdp", "pp"]
+)
+def test_hsdp_with_fault_tolerance_is_accepted_with_one_lightning_batch_per_step(layout):
     from lit_titan.job.build import trainer_arguments
 
-    cfg = compose([*FT, "cluster.devices=4", "parallel.dp_replicate=2", "data.micro_batch_size=1"])
+    cfg = compose([*FT, "cluster.devices=4", "parallel.dp_replicate=2", *layout])
     spec = validate(cfg)
     assert spec.batch.accumulation > 1 and trainer_arguments(cfg, spec)["accumulate_grad_batches"] == 1

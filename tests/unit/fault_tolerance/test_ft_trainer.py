@@ -1,15 +1,18 @@
 """``fault_tolerance.enabled=true`` through the real trainer: lose a replica group, finish equal to one process,
-and rejoin.
+and rejoin; with FSDP, and with pipeline stages, inside each group.
 
-4 processes as dp_replicate 2 x dp_shard 2 (each replica group its own world, "node" of 2 ranks), gradient
-accumulation (micro-batch 1: 2 micro-batches per rank before the fault, 4 after), the parity regime (fp32,
-lr 1e-2, clipping engaged). Both ranks of replica group 1 SIGKILL themselves after step 1 (``fault.kill_rank``
-per group rank, ``fault.at_step=2``); group 0 notices in step 2's cross-replica sum, trains group 1's samples
-and goes on without a restart. The launcher starts group 1 again (group 0's first rank holds at step 3 until
-the restarted ranks wait to be admitted, however loaded the machine); they are admitted at step 5 with group
-0's weights and optimizer state, their data loader, step counter and LR schedule at that step. Group 0's
-losses, pre-clip gradients, clip norm and weights (dumped at steps 0, 4 and 7) equal the one-process
-reference's (``parity_reference``); the rejoined group's step-7 dump equals group 0's bitwise. The ranks are
+4 processes, each replica group its own world (a "node" of 2 ranks): dp_replicate 2 x dp_shard 2, or dp_replicate
+2 x pp 2 (1F1B; each stage rank sums its stage's gradients with the same stage of the other group). Both with
+gradient accumulation: dp_shard 2 at micro-batch 1 (2 micro-batches per rank before the fault, 4 after), pp 2 at
+micro-batch 2 (2 schedule steps of 2 pipeline micro-batches per group before the fault, 4 after). The parity regime
+(fp32, lr 1e-2, clipping engaged). Both ranks of replica group 1 SIGKILL themselves after step 1
+(``fault.kill_rank`` per group rank, ``fault.at_step=2``); group 0 notices in step 2's cross-replica sum, trains
+group 1's samples and goes on without a restart. The launcher starts group 1 again (group 0's first rank holds at
+step 3 until the restarted ranks wait to be admitted, however loaded the machine); they are admitted at step 5
+with group 0's weights and optimizer state, their data loader, step counter and LR schedule at that step. Group
+0's losses, pre-clip gradients, clip norm and weights (dumped at steps 0, 4 and 7) equal the one-process
+reference's (``parity_reference``); the rejoined group's step-7 dump equals group 0's bitwise; the throughput
+callback divides by the job's 4 ranks. The pp case also runs its mutant (one fault-free step). The ranks are
 forked by tests/support/scripts/ft_trainer.py, which hosts the store: two of them must die, so not the reused
 worlds. The run's report shows the fault and the rejoin on its timeline.
 """
@@ -25,7 +28,7 @@ import sys
 import pytest
 import torch
 
-from parity import PARITY, check_case
+from parity import PARITY, TOL, check_case, compare
 from paths import SCRIPTS, SUPPORT
 
 pytestmark = pytest.mark.slow
@@ -36,7 +39,6 @@ FT = [
     "cluster.devices=2",  # one replica group's processes (each group is a "node", as its own launch)
     "cluster.num_nodes=2",
     "parallel.dp_replicate=2",
-    "data.micro_batch_size=1",
     "checkpoint.enabled=false",
     "fault_tolerance.enabled=true",
     "fault_tolerance.dead_after_s=1",
@@ -44,15 +46,32 @@ FT = [
 ]
 
 
-def test_trainer_survives_a_lost_replica_group_equal_to_one_process(parity_reference, tmp_path):
-    run = tmp_path / "ft"
+# case -> (layout, the mutant its run must catch)
+LAYOUTS = {
+    "ft_hsdp2x2_accum": (["data.micro_batch_size=1"], None),
+    "ft_pp2_accum": (["parallel.pp=2", "data.micro_batch_size=2"], "ft_pp_sum_skips_a_stage"),
+}
+
+
+def _launch(run, kill_step: int, restart: bool, overrides: list[str], mutant: str | None = None) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, str(SCRIPTS / "ft_trainer.py"), str(run), str(KILL_STEP), "1", *PARITY, *FT]
-    subprocess.run(cmd, env=env, timeout=400, check=True)
+    cmd = [sys.executable, str(SCRIPTS / "ft_trainer.py"), str(run), str(kill_step), "1" if restart else "0"]
+    subprocess.run([*cmd, *(["--mutant", mutant] if mutant else []), *overrides], env=env, timeout=400, check=True)
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_trainer_survives_a_lost_replica_group_equal_to_one_process(parity_reference, tmp_path, case):
+    run = tmp_path / "ft"
+    layout, mutant = LAYOUTS[case]
+    _launch(run, KILL_STEP, True, [*PARITY, *FT, *layout])
     codes = json.loads((run / "codes.json").read_text())
     logs = {p.name: p.read_text() for p in run.glob("rank-*.log")}
     assert codes == [0, 0, -9, -9, 0, 0], (codes, {k: v[-3000:] for k, v in logs.items()})
-    check_case("ft_hsdp2x2_accum", parity_reference, run)
+    check_case(case, parity_reference, run)
+    last = json.loads((run / "throughput.json").read_text())  # its last step: 4 live ranks, 8 x 32 tokens
+    assert last["global_tokens"] == 256 and last["tokens_per_sec_per_device"] * 4 == pytest.approx(
+        256 / last["step_seconds"]
+    )
     mine, peers = (torch.load(run / d / "step-000007.pt", weights_only=True) for d in ("dump-rejoined", "dump"))
     assert mine["norm"] == peers["norm"]
     assert all(torch.equal(mine[k][n], peers[k][n]) for k in ("grads", "params") for n in peers[k])
@@ -69,3 +88,8 @@ def test_trainer_survives_a_lost_replica_group_equal_to_one_process(parity_refer
 
     faults = {f.id: f for f in build_figures([load_run(run)])}["faults"].series["replica groups"]
     assert faults["x"][:4] == [KILL_STEP, KILL_STEP, REJOIN_STEP, REJOIN_STEP] and faults["y"][:4] == [2, 1, 1, 2]
+    if mutant:  # the planted bug, one fault-free step: the step-0 gradients already miss the reference
+        one_step = [o for o in PARITY if not o.startswith("trainer.max_steps=")] + ["trainer.max_steps=1"]
+        _launch(tmp_path / "mutant", 0, False, [*one_step, *FT, *layout], mutant)
+        ratio, what = compare(parity_reference / "dump", tmp_path / "mutant" / "dump", steps=[0]).margin(TOL)
+        assert ratio >= 10, (mutant, what)

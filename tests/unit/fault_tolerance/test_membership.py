@@ -36,6 +36,15 @@ def test_every_sample_of_the_global_batch_is_trained_once_whoever_dies(replicas,
     assert _rank_samples(Assignment.initial(24, replicas, shards, sorted(kept.chunks)), shards) == ranks
 
 
+def test_pipeline_hand_over_is_whole_micro_batches():
+    """3 replicas of 1 data shard, 6 samples each, micro-batch 2 (one schedule step): a death hands over whole
+    micro-batches (4 and 2 samples), not 3 and 3 (a 1-sample step the schedule's 2 micro-batches cannot split)."""
+    kept, gained = Assignment.initial(18, 3, 1, range(3), unit=2).without([1])
+    assert {r: len(c) for r, c in gained.items()} == {0: 4, 2: 2}
+    assert sorted(i for r in kept.chunks for i in kept.rank_samples(r, 0)) == list(range(18))
+    assert {r: len(c) for r, c in Assignment.initial(18, 3, 1, range(3)).without([1])[1].items()} == {0: 3, 2: 3}
+
+
 def _store():
     import torch.distributed as dist
 
