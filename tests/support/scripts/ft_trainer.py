@@ -11,9 +11,9 @@ replica group 1 gets ``fault.kill_rank=<its rank in the group> fault.at_step=KIL
 SIGKILLs itself after step KILL_STEP - 1. Replica group 0 dumps to RUN_DIR/dump, group 1 to RUN_DIR/dump-replica1;
 each rank's output in RUN_DIR/rank-N.log; exit codes by rank in RUN_DIR/codes.json. RESTART=1: once group 1
 died, start its ranks again (their exit codes follow; their dump in RUN_DIR/dump-rejoined), holding group 0 at
-step KILL_STEP + 1 until they wait to be admitted. KILL_STEP 0: no fault. ``--mutant NAME``: every rank trains with
-that planted bug (tests/support/mutants/). The job's rank 0 writes its throughput callback's last figures to
-RUN_DIR/throughput.json.
+step KILL_STEP + 1 until they wait to be admitted. KILL_STEP 0: no fault. ``--mutant NAME``: then one fault-free
+step of the same job with that planted bug (tests/support/mutants/), in RUN_DIR/mutant. The job's rank 0 writes its
+throughput callback's last figures to RUN_DIR/throughput.json.
 """
 
 from __future__ import annotations
@@ -81,12 +81,10 @@ def _rank(
 
 
 def main(argv: list[str]) -> None:
-    import multiprocessing
-
     # Imported once, for every rank (forked): each would otherwise pay them under the machine's load.
     import lightning.pytorch  # noqa: F401
     import torch._dynamo  # noqa: F401
-    import torch.distributed as dist
+    import torch.distributed  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
@@ -102,9 +100,20 @@ def main(argv: list[str]) -> None:
     mutant = None
     if overrides[:1] == ["--mutant"]:
         mutant, overrides = overrides[1], overrides[2:]
-    run_dir.mkdir(parents=True, exist_ok=True)
     for key in _JOB_ENV_DROP:
         os.environ.pop(key, None)
+    _job(run_dir, kill_step, restart, overrides)
+    if mutant:  # one fault-free step with the planted bug, in this launcher (its imports are paid already)
+        one_step = [o for o in overrides if not o.startswith("trainer.max_steps=")] + ["trainer.max_steps=1"]
+        _job(run_dir / "mutant", 0, False, one_step, mutant)
+
+
+def _job(run_dir: Path, kill_step: int, restart: bool, overrides: list[str], mutant: str | None = None) -> None:
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    run_dir.mkdir(parents=True, exist_ok=True)
     group = next(int(o.split("=")[1]) for o in overrides if o.startswith("cluster.devices="))
     size = group * next(int(o.split("=")[1]) for o in overrides if o.startswith("cluster.num_nodes="))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
