@@ -113,7 +113,7 @@ def replica_group_commands(cfg: DictConfig, overrides: list[str]) -> str:
             f"torchrun --nnodes={group_nodes} --nproc_per_node={per_node} --max-restarts={restarts} "
             f"--rdzv_backend=c10d {rdzv} -m lit_titan.train {args} "
             '"fault_tolerance.replica_id=${REPLICA:?set REPLICA to this replica group}" '
-            '"fault_tolerance.store=${LIT_TITAN_STORE:?set LIT_TITAN_STORE to the store\'s HOST:PORT}"',
+            '"fault_tolerance.store=${LIT_TITAN_STORE:?set LIT_TITAN_STORE to HOST:PORT of the store}"',
         ]
     )
 
