@@ -51,7 +51,16 @@ def launch_world() -> int | None:
 
 
 def check_launch(replica_id: int | None, launched: int | None, job_world: int, group_size: int) -> None:
-    """The launch holds the whole job (no ``replica_id``) or one replica group (with it): one line otherwise."""
+    """The launch holds the whole job (no ``replica_id``) or one replica group (with it): one line otherwise,
+    printed once per launch (every rank of it decides the same)."""
+    try:
+        _check_launch(replica_id, launched, job_world, group_size)
+    except ConfigError as err:
+        err.raised_on_every_rank = True  # type: ignore[attr-defined]
+        raise
+
+
+def _check_launch(replica_id: int | None, launched: int | None, job_world: int, group_size: int) -> None:
     if launched is None or launched == job_world == group_size:
         return
     if replica_id is None and launched == group_size:
