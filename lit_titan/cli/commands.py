@@ -31,6 +31,9 @@ COMMANDS: dict[str, Command] = {
     "launch": Command(
         "lit_titan.cli.launch", "print (--dry-run) or run the torchrun / Slurm command for a cluster profile"
     ),
+    "store": Command(
+        "lit_titan.cli.store", "host the job's store for one launch per replica group (fault_tolerance.store)"
+    ),
     "export": Command("lit_titan.cli.export", "turn a checkpoint into a Hugging Face Llama directory"),
     "report": Command(
         "lit_titan.cli.report", "write RUN_DIR/report.html: loss, throughput, per-rank timeline, checkpoints"

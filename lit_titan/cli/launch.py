@@ -71,14 +71,64 @@ def check_cluster(cfg: DictConfig) -> None:
             )
 
 
+STORE_PORT = 29600  # `lit-titan store`'s default
+
+
+def replica_group_commands(cfg: DictConfig, overrides: list[str]) -> str:
+    """Under ``fault_tolerance.enabled=true`` with torchrun: the job's store, then one torchrun agent per
+    replica group (whole nodes each), so an agent restarts only its own group, which rejoins the others.
+
+    No ``resume=auto``: a restarted group takes a live peer's state, and a checkpoint loaded over it is
+    refused (docs/fault_tolerance.md, "Launching one torchrun per replica group").
+    """
+    c, replicas = cfg.cluster, int(cfg.parallel.dp_replicate)
+    nodes, per_node, restarts = int(c.num_nodes), int(c.devices), int(c.get("max_restarts", 3))
+    if nodes % replicas:
+        raise ConfigError(
+            f"cluster.num_nodes={nodes}: one torchrun per replica group needs whole nodes per group, and "
+            f"parallel.dp_replicate={replicas} groups do not divide them; set cluster.num_nodes to a multiple of "
+            f"{replicas}"
+        )
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    for o in overrides:
+        if o.split("=", 1)[0].lstrip("+~") in ("fault_tolerance.replica_id", "fault_tolerance.store"):
+            raise ConfigError(f"{o}: each group's line sets it (REPLICA, LIT_TITAN_STORE); leave it out here")
+    if "run_dir" not in keys:  # every group and every restart writes to the same run_dir
+        overrides = [*overrides, f"run_dir=runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    args = " ".join(shlex.quote(o) for o in overrides)
+    group_nodes = nodes // replicas
+    if group_nodes == 1:  # a group is one node: its agent alone, on a free port
+        rdzv = "--rdzv_endpoint=localhost:0"
+    else:  # the group's nodes meet at its first node
+        rdzv = '--rdzv_endpoint="${GROUP_ADDR:?set GROUP_ADDR to the first node of this replica group}:29500" '
+        rdzv += '--rdzv_id="lit-titan-group$REPLICA"'
+    return "\n".join(
+        [
+            "# fault_tolerance.enabled=true: one torchrun agent per replica group; an agent restarts only its own",
+            '# group, which rejoins the others (docs/fault_tolerance.md, "Launching one torchrun per replica group").',
+            "# 1. The job's store, for the whole job, on a host that outlives the groups (e.g. the login node):",
+            f"python -m lit_titan.cli store --port {STORE_PORT}",
+            f"# 2. On each node of replica group REPLICA (0..{replicas - 1}; {group_nodes} node(s) each), with "
+            f"LIT_TITAN_STORE=<that host>:{STORE_PORT}:",
+            f"torchrun --nnodes={group_nodes} --nproc_per_node={per_node} --max-restarts={restarts} "
+            f"--rdzv_backend=c10d {rdzv} -m lit_titan.train {args} "
+            '"fault_tolerance.replica_id=${REPLICA:?set REPLICA to this replica group}" '
+            '"fault_tolerance.store=${LIT_TITAN_STORE:?set LIT_TITAN_STORE to HOST:PORT of the store}"',
+        ]
+    )
+
+
 def launch_command(cfg: DictConfig, overrides: list[str]) -> str:
     """The command (torchrun) or sbatch script (srun) that starts training on the profile.
 
     Both restart a failed job up to ``cluster.max_restarts`` times (default 3) with ``resume=auto``,
-    so each attempt continues from the newest complete checkpoint (docs/fault_tolerance.md).
+    so each attempt continues from the newest complete checkpoint (docs/fault_tolerance.md). Under
+    ``fault_tolerance.enabled=true`` with torchrun: one agent per replica group (``replica_group_commands``).
     """
     check_cluster(cfg)
     c = cfg.cluster
+    if (cfg.get("fault_tolerance") or {}).get("enabled") and c.get("launcher", ClusterConfig().launcher) == "torchrun":
+        return replica_group_commands(cfg, overrides)
     keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     if "resume" not in keys:
         overrides = [*overrides, "resume=auto"]
@@ -133,6 +183,9 @@ def main(argv: list[str] | None = None) -> str:
     command = launch_command(cfg, overrides)
     if dry_run:
         print(command)
+    elif cfg.get("fault_tolerance", {}).get("enabled") and command.startswith("#"):
+        print(command)
+        print("\n# start the store, then run the torchrun line on every node of each replica group", file=sys.stderr)
     elif cfg.cluster.get("launcher", ClusterConfig().launcher) == "srun":
         print(command)
         print("\n# save this as a script and submit it with sbatch", file=sys.stderr)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from lit_titan.errors import ConfigError
+from lit_titan.fault_tolerance.launch import replica_launch
 
 if TYPE_CHECKING:
     from lit_titan.models.registry import ModelArgsLike as ModelArgs
@@ -336,4 +337,5 @@ LAYOUT_RULES = (
     attention_backend,
     pipeline_validation,
     fault_tolerance_layout,
+    replica_launch,
 )

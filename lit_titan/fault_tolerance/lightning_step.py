@@ -3,7 +3,7 @@
 Each replica group is its own ``torch.distributed`` world (``replica_world``): FSDP, the checkpoint
 writer, the metric reductions and every collective Lightning makes on the default group stay inside
 one group, so none of them can wait on a dead group. Only ``ReplicaGroups`` spans the groups, over
-the job's store (which must outlive them: torchrun's agent store, or a launcher's).
+the job's store (which must outlive them: ``fault_tolerance.store``, ``launch.py``).
 
 Every rank receives the step's whole global batch (one Lightning batch, no Lightning accumulation)
 and ``ReplicaStep.run`` trains the samples ``ReplicaGroups`` assigns it, in micro-batches of
@@ -20,7 +20,6 @@ whole group out: its peers fail in the schedule's send/receive, or in the group'
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lit_titan.fault_tolerance.launch import store_address
 from lit_titan.fault_tolerance.membership import PREFIX
 from lit_titan.fault_tolerance.replicas import ReplicaGroups, ReplicaLost
 from lit_titan.fault_tolerance.settings import FaultToleranceConfig
@@ -36,23 +36,18 @@ from lit_titan.fault_tolerance.settings import FaultToleranceConfig
 UNSUPPORTED = ("cp", "tp", "ep")  # degrees the step protocol does not span yet (config/rules.py refuses)
 
 
-def store_address() -> tuple[str, int]:
-    """The job's store (``MASTER_ADDR:MASTER_PORT``), hosted outside the ranks so it outlives any group."""
-    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
-
-
 def replica_world(
-    job_rank: int, group_size: int, replicas: int, backend: str, timeout: timedelta
+    job_rank: int, group_size: int, replicas: int, backend: str, timeout: timedelta, store: str | None = None
 ) -> tuple[int, int, bool]:
     """Start this rank's replica group as its own default process group; (replica, rank in the group,
     whether it rejoins).
 
     A group started again rendezvouses under a new prefix (its start count in the store), so it never
     meets its predecessor's keys; one started again while another group still runs an older start
-    rejoins the running job (``ReplicaStep.rejoin``).
+    rejoins the running job (``ReplicaStep.rejoin``). ``store``: the job's (``launch.store_address``).
     """
     replica, shard = divmod(job_rank, group_size)
-    store = dist.TCPStore(*store_address(), is_master=False, timeout=timeout, wait_for_workers=False)
+    store = dist.TCPStore(*store_address(store), is_master=False, timeout=timeout, wait_for_workers=False)
     generation = (store.add(f"{PREFIX}starts/{replica}", 1) - 1) // group_size
     started = [store.add(f"{PREFIX}starts/{r}", 0) for r in range(replicas)]
     rejoin = generation > 0 and any(count <= generation * group_size for count in started)
@@ -104,7 +99,7 @@ class ReplicaStep:
         timeout: timedelta,
     ) -> ReplicaStep:
         """Start this rank's replica group's world (``replica_world``); the step that spans the groups."""
-        replica, shard, rejoin = replica_world(job_rank, group_size, replicas, backend, timeout)
+        replica, shard, rejoin = replica_world(job_rank, group_size, replicas, backend, timeout, settings.store)
         step = cls(settings, replica, replicas, shard, group_size, timeout.total_seconds())
         step.rejoining = rejoin
         return step
@@ -156,7 +151,7 @@ class ReplicaStep:
         global_batch = int(data.global_batch_size)
         self.micro = int(data.ft_micro_batch_size(self.replicas * self.data_shards))
         self.groups = ReplicaGroups(
-            store_address(),
+            store_address(self.settings.store),
             self.replica,
             self.replicas,
             self.shard,

@@ -81,6 +81,8 @@ def train(cfg: DictConfig, callbacks: list | None = None, spec: JobSpec | None =
     OmegaConf.update(cfg, "run_dir", str(run_dir))
     if is_launcher_rank_zero():
         run_dir.mkdir(parents=True, exist_ok=True)
+    # One launch per replica group: each launch has a rank 0, the job's is group 0's (fault_tolerance/launch.py).
+    if is_launcher_rank_zero() and not (cfg.get("fault_tolerance") or {}).get("replica_id"):
         # credentials as ***, 0600; the model's shape with the flavor's values filled in
         write_private(run_dir / "config.yaml", OmegaConf.to_yaml(redact(with_flavor(cfg, args))))
     if resume:

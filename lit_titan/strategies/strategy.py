@@ -192,8 +192,12 @@ class TitanStrategy(ModelParallelStrategy):
 
     @property
     def _job_rank(self) -> int:
-        """This process's rank in the whole job (under fault tolerance Lightning's ranks are its group's)."""
-        return self.node_rank * self.num_processes + self.local_rank
+        """This process's rank in the whole job (under fault tolerance Lightning's ranks are its group's;
+        launched per replica group, ``fault_tolerance.replica_id`` says which: fault_tolerance/launch.py)."""
+        from lit_titan.fault_tolerance.launch import job_rank
+
+        launched = self.node_rank * self.num_processes + self.local_rank
+        return job_rank(launched, self._ft_group_size(), self.fault_tolerance.replica_id)
 
     def _ft_group_size(self) -> int:
         replicas = self._resolved_dims.dp_replicate if self._resolved_dims else self._degrees["dp_replicate"]
@@ -324,6 +328,10 @@ class TitanStrategy(ModelParallelStrategy):
                     "its own (docs/fault_tolerance.md), start the job in fresh processes"
                 )
 
+            from lit_titan.fault_tolerance.launch import check_launch, launch_world
+
+            job_world = self.num_nodes * self.num_processes
+            check_launch(self.fault_tolerance.replica_id, launch_world(), job_world, self._ft_group_size())
             self.replica_step = ReplicaStep.start_world(
                 self.fault_tolerance,
                 self._job_rank,
