@@ -188,6 +188,23 @@ def moe_aux_loss_fits_pp(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -
         )
 
 
+def moe_step_counts_fit_layout(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """``model.moe.aux_loss_counts=step`` runs in the module's own micro-batch loop (module.py), which pipeline
+    stages, context parallel's and fault tolerance's steps do not run (yet)."""
+    moe = getattr(args, "moe", None)
+    if moe is None or not moe.counts_whole_step:
+        return
+    ft = bool((cfg.get("fault_tolerance") or {}).get("enabled"))
+    for key, value, on in (("parallel.pp", dims.pp, dims.pp > 1), ("parallel.cp", dims.cp, dims.cp > 1)) + (
+        ("fault_tolerance.enabled", "true", ft),
+    ):
+        if on:
+            raise ConfigError(
+                f"model.moe.aux_loss_counts=step: not supported with {key}={value} yet (the step's counting "
+                f"forward runs in the module's own micro-batch loop); set model.moe.aux_loss_counts=micro_batch"
+            )
+
+
 def grad_reduce_scatter(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     from lit_titan.strategies.fsdp import PP_LAST_MICROBATCH
 
@@ -325,6 +342,7 @@ CONFIG_RULES = (optimizer, fault_drill, preflight, profiler_windows)
 LAYOUT_RULES = (
     layout_fits_family,
     moe_aux_loss_fits_pp,
+    moe_step_counts_fit_layout,
     tied_embeddings_without_pipeline,
     grad_reduce_scatter,
     degrees_fit_model,
