@@ -193,7 +193,9 @@ class PretrainModule(L.LightningModule, ModuleContract):
         self.record_train_loss(loss, inputs)
         return loss
 
-    def train_in_micro_batches(self, inputs: Tensor, labels: Tensor, extra: dict[str, Tensor]) -> Tensor:
+    def train_in_micro_batches(
+        self, inputs: Tensor, labels: Tensor, extra: dict[str, Tensor], whole_inputs: Tensor | None = None
+    ) -> Tensor:
         """This rank's whole optimizer step (``inputs`` [local batch, s]) in micro-batches of ``step_micro_batch``
         sequences, each with its backward; the step's mean loss, detached (Lightning's own backward is skipped).
 
@@ -201,7 +203,8 @@ class PretrainModule(L.LightningModule, ModuleContract):
         see the whole step before the first backward: an MoE's global-batch auxiliary loss with
         ``aux_loss_counts=step`` counts the step's tokens per expert first (``count_step_tokens``, a forward
         without autograd over the micro-batches). Backward and the gradient sync between micro-batches are as
-        Lightning's accumulation makes them (each loss divided by the micro-batches, ``block_backward_sync``)."""
+        Lightning's accumulation makes them (each loss divided by the micro-batches, ``block_backward_sync``).
+        ``whole_inputs``: the sequences ``inputs`` are this rank's slice of (context parallel), for the token count."""
         from lightning.pytorch.strategies import ParallelStrategy
 
         n = self.step_micro_batch
@@ -227,7 +230,7 @@ class PretrainModule(L.LightningModule, ModuleContract):
                     else strategy.block_backward_sync()
                 ):
                     loss = self.model_loss(x, y, **kw)
-                    self.record_train_loss(loss, x)
+                    self.record_train_loss(loss, x if whole_inputs is None else whole_inputs[j * n : (j + 1) * n])
                     (loss / len(parts)).backward()
         finally:
             forget_step_counts(self.model)

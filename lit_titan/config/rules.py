@@ -190,14 +190,12 @@ def moe_aux_loss_fits_pp(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -
 
 def moe_step_counts_fit_layout(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     """``model.moe.aux_loss_counts=step`` runs in the module's own micro-batch loop (module.py), which pipeline
-    stages, context parallel's and fault tolerance's steps do not run (yet)."""
+    stages and fault tolerance's steps do not run (yet)."""
     moe = getattr(args, "moe", None)
     if moe is None or not moe.counts_whole_step:
         return
     ft = bool((cfg.get("fault_tolerance") or {}).get("enabled"))
-    for key, value, on in (("parallel.pp", dims.pp, dims.pp > 1), ("parallel.cp", dims.cp, dims.cp > 1)) + (
-        ("fault_tolerance.enabled", "true", ft),
-    ):
+    for key, value, on in (("parallel.pp", dims.pp, dims.pp > 1), ("fault_tolerance.enabled", "true", ft)):
         if on:
             raise ConfigError(
                 f"model.moe.aux_loss_counts=step: not supported with {key}={value} yet (the step's counting "

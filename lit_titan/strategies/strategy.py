@@ -550,6 +550,8 @@ class TitanStrategy(ModelParallelStrategy):
             tokens, extra = module.unpack_batch(args[0])
             inputs, labels = module.split_batch(tokens)
             local_inputs, local_labels = self._shard_sequence(inputs, labels, extra)
+            if module.step_micro_batch and self.pipeline is None:  # the rank's whole step, its micro-batches there
+                return module.train_in_micro_batches(local_inputs, local_labels, extra, whole_inputs=inputs)
             if self.pipeline is not None:
                 accumulation = module.trainer.accumulate_grad_batches
                 if args[1] % accumulation == 0:  # first micro-batch of an optimizer step

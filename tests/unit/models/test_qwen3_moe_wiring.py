@@ -53,7 +53,6 @@ TINY_MOE = {
             )
             for layout in (
                 ["cluster.devices=2", "parallel.pp=2"],
-                ["cluster.devices=2", "parallel.cp=2"],
                 ["cluster.devices=2", "parallel.dp_replicate=2", "fault_tolerance.enabled=true"],
             )
         ),
