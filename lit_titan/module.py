@@ -12,6 +12,7 @@ materialises the model on its device with the same seeded ``init_weights``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 from functools import partial
@@ -194,7 +195,13 @@ class PretrainModule(L.LightningModule, ModuleContract):
         return loss
 
     def train_in_micro_batches(
-        self, inputs: Tensor, labels: Tensor, extra: dict[str, Tensor], whole_inputs: Tensor | None = None
+        self,
+        inputs: Tensor,
+        labels: Tensor,
+        extra: dict[str, Tensor],
+        whole_inputs: Tensor | None = None,
+        forward_backward: Callable[[Tensor, Tensor, dict[str, Tensor], int], Tensor] | None = None,
+        forward_only: Callable[[Tensor, Tensor, dict[str, Tensor]], object] | None = None,
     ) -> Tensor:
         """This rank's whole optimizer step (``inputs`` [local batch, s]) in micro-batches of ``step_micro_batch``
         sequences, each with its backward; the step's mean loss, detached (Lightning's own backward is skipped).
@@ -204,7 +211,9 @@ class PretrainModule(L.LightningModule, ModuleContract):
         ``aux_loss_counts=step`` counts the step's tokens per expert first (``count_step_tokens``, a forward
         without autograd over the micro-batches). Backward and the gradient sync between micro-batches are as
         Lightning's accumulation makes them (each loss divided by the micro-batches, ``block_backward_sync``).
-        ``whole_inputs``: the sequences ``inputs`` are this rank's slice of (context parallel), for the token count."""
+        ``whole_inputs``: the sequences ``inputs`` are this rank's slice of (context parallel), for the token count.
+        ``forward_backward(x, y, kw, micro_batches)`` (a micro-batch's loss, its backward run) and ``forward_only``
+        replace the model's own where the strategy runs them (the pipeline schedule's step and eval)."""
         from lightning.pytorch.strategies import ParallelStrategy
 
         n = self.step_micro_batch
@@ -216,10 +225,10 @@ class PretrainModule(L.LightningModule, ModuleContract):
         for optimizer in self.trainer.optimizers:
             optimizer.zero_grad()
         strategy = self.trainer.strategy
+        forward_backward = forward_backward or self._forward_backward
+        forward_only = forward_only or (lambda x, y, kw: self.model_loss(x, y, **kw))
         count_step_tokens(
-            self.model,
-            [partial(self.model_loss, x, y, **kw) for x, y, kw in parts],
-            self.strategy_contract.batch_group,
+            self.model, [partial(forward_only, x, y, kw) for x, y, kw in parts], self.strategy_contract.batch_group
         )
         try:
             for j, (x, y, kw) in enumerate(parts):
@@ -229,12 +238,16 @@ class PretrainModule(L.LightningModule, ModuleContract):
                     if last or not isinstance(strategy, ParallelStrategy)
                     else strategy.block_backward_sync()
                 ):
-                    loss = self.model_loss(x, y, **kw)
+                    loss = forward_backward(x, y, kw, len(parts))
                     self.record_train_loss(loss, x if whole_inputs is None else whole_inputs[j * n : (j + 1) * n])
-                    (loss / len(parts)).backward()
         finally:
             forget_step_counts(self.model)
         return self.step_mean_loss
+
+    def _forward_backward(self, x: Tensor, y: Tensor, kw: dict[str, Tensor], micro_batches: int) -> Tensor:
+        loss = self.model_loss(x, y, **kw)
+        (loss / micro_batches).backward()
+        return loss
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         """Lightning's backward of the returned loss; none after ``train_in_micro_batches`` (it ran each one's)."""

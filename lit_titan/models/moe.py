@@ -277,7 +277,8 @@ class MoE(nn.Module):
         # ``aux_loss_counts=step`` (``count_step_tokens``): while ``counting`` is set, forwards only add their
         # tokens per expert (and, last, their tokens) to it; ``step_counts``, the step's totals over
         # ``count_group``, then replace each micro-batch's own in the global-batch loss until cleared.
-        self.counting: Tensor | None = None
+        # (a buffer while set: torch's pipeline stage restores buffers after its metadata probe's forward)
+        self.register_buffer("counting", None, persistent=False)
         self.step_counts: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:

@@ -464,6 +464,14 @@ EP_CASES: dict[str, list[str]] = {
         *SEQUENCE_AUX,
     ],
     "pp2xep2": ["cluster.devices=4", "parallel.pp=2", "parallel.ep=2", *SEQUENCE_AUX],
+    # the global-batch loss under pp with the step's counts taken first by the schedule's eval (aux_loss_counts=step)
+    "pp2_Interleaved1F1B_accum2_global_step": [
+        "cluster.devices=2",
+        "parallel.pp=2",
+        "parallel.pp_schedule=Interleaved1F1B",
+        "data.micro_batch_size=4",
+        "model.moe.aux_loss_counts=step",
+    ],
     # every block recomputed in backward: its dispatch and combine run again, its counts are not taken again
     "ep2_ac_full": [
         "cluster.devices=2",

@@ -52,7 +52,7 @@ TINY_MOE = {
                 f"model.moe.aux_loss_counts=step: not supported with {layout[-1]} yet",
             )
             for layout in (
-                ["cluster.devices=2", "parallel.pp=2"],
+                ["cluster.devices=2", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
                 ["cluster.devices=2", "parallel.dp_replicate=2", "fault_tolerance.enabled=true"],
             )
         ),
