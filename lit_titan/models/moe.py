@@ -416,20 +416,22 @@ def count_step_tokens(
     micro-batches and ranks (accumulation's and the gradient reduction's) is one process's on the whole batch.
     """
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.args.counts_whole_step]
-    if not layers:
-        return
-    device = layers[0].tokens_per_expert.device
     for m in layers:
         m.step_counts, m.counting = None, m.tokens_per_expert.new_zeros(m.args.num_experts + 1)
+    device = next(model.parameters()).device
     try:
+        # the forwards run even without such layers here: a pipeline stage without MoE layers takes its part
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for forward in forwards:
                 forward()
-        counts = torch.stack([m.counting for m in layers])
     finally:
+        counts = [m.counting for m in layers]
         for m in layers:
             m.counting = None
-    if group is not None:
+    if not layers:
+        return
+    counts = torch.stack(counts)
+    if group is not None:  # the same stage's layers on every rank of the group
         dist.all_reduce(counts, group=group)
     for m, row in zip(layers, counts):
         m.step_counts = row
