@@ -12,7 +12,10 @@ materialises the model on its device with the same seeded ``init_weights``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, fields
+from functools import partial
 from typing import Any
 
 import lightning as L
@@ -23,7 +26,13 @@ from torch import Tensor, nn
 from lit_titan.job.settings import LossConfig
 from lit_titan.models import registry
 from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
-from lit_titan.models.moe import MoE, take_injected_aux_loss, update_expert_bias
+from lit_titan.models.moe import (
+    MoE,
+    count_step_tokens,
+    forget_step_counts,
+    take_injected_aux_loss,
+    update_expert_bias,
+)
 from lit_titan.observe.expert_load import expert_load_metrics
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.phases import PhaseClock, phase
@@ -44,6 +53,7 @@ class PretrainModule(L.LightningModule, ModuleContract):
         seed: int = 0,
         init_from_hf: str | None = None,
         loss_chunk_tokens: int | str | None = LossConfig.chunk_tokens,
+        step_micro_batch: int | None = None,
     ) -> None:
         super().__init__()
         if isinstance(optim, dict) or optim is None:
@@ -56,6 +66,7 @@ class PretrainModule(L.LightningModule, ModuleContract):
                 "seed": seed,
                 "init_from_hf": init_from_hf,
                 "loss_chunk_tokens": loss_chunk_tokens,
+                "step_micro_batch": step_micro_batch,
             }
         )
         self.model_args = registry.model_args(model, **dict(model_overrides or {}))
@@ -63,6 +74,11 @@ class PretrainModule(L.LightningModule, ModuleContract):
         self.optim_config = optim
         self.seed = seed
         self.init_from_hf = init_from_hf
+        # Set: each training batch is this rank's whole optimizer step, which ``train_in_micro_batches`` trains in
+        # micro-batches of this many sequences, backward included (the job sets it where the model must see the
+        # whole step before its first backward: an MoE's ``aux_loss_counts=step``); None: Lightning accumulates.
+        self.step_micro_batch = step_micro_batch
+        self._micro_batches_per_batch = 1
         self.model: nn.Module | None = None
         self._step_loss = torch.zeros(())
         self._step_aux_loss: Tensor | None = None
@@ -172,9 +188,71 @@ class PretrainModule(L.LightningModule, ModuleContract):
         # the same unpack_batch / split_batch / model_loss / record_train_loss.
         batch, extra = self.unpack_batch(batch)
         inputs, labels = self.split_batch(batch)
+        if self.step_micro_batch:
+            return self.train_in_micro_batches(inputs, labels, extra)
         loss = self.model_loss(inputs, labels, **extra)
         self.record_train_loss(loss, inputs)
         return loss
+
+    def train_in_micro_batches(
+        self,
+        inputs: Tensor,
+        labels: Tensor,
+        extra: dict[str, Tensor],
+        whole_inputs: Tensor | None = None,
+        forward_backward: Callable[[Tensor, Tensor, dict[str, Tensor], int], Tensor] | None = None,
+        forward_only: Callable[[Tensor, Tensor, dict[str, Tensor]], object] | None = None,
+    ) -> Tensor:
+        """This rank's whole optimizer step (``inputs`` [local batch, s]) in micro-batches of ``step_micro_batch``
+        sequences, each with its backward; the step's mean loss, detached (Lightning's own backward is skipped).
+
+        Why not Lightning's accumulation: it hands training_step one micro-batch at a time, too late for what must
+        see the whole step before the first backward: an MoE's global-batch auxiliary loss with
+        ``aux_loss_counts=step`` counts the step's tokens per expert first (``count_step_tokens``, a forward
+        without autograd over the micro-batches). Backward and the gradient sync between micro-batches are as
+        Lightning's accumulation makes them (each loss divided by the micro-batches, ``block_backward_sync``).
+        ``whole_inputs``: the sequences ``inputs`` are this rank's slice of (context parallel), for the token count.
+        ``forward_backward(x, y, kw, micro_batches)`` (a micro-batch's loss, its backward run) and ``forward_only``
+        replace the model's own where the strategy runs them (the pipeline schedule's step and eval)."""
+        from lightning.pytorch.strategies import ParallelStrategy
+
+        n = self.step_micro_batch
+        parts = [
+            (inputs[i : i + n], labels[i : i + n], {k: v[i : i + n] for k, v in extra.items()})
+            for i in range(0, inputs.shape[0], n)
+        ]
+        self._micro_batches_per_batch = len(parts)
+        for optimizer in self.trainer.optimizers:
+            optimizer.zero_grad()
+        strategy = self.trainer.strategy
+        forward_backward = forward_backward or self._forward_backward
+        forward_only = forward_only or (lambda x, y, kw: self.model_loss(x, y, **kw))
+        count_step_tokens(
+            self.model, [partial(forward_only, x, y, kw) for x, y, kw in parts], self.strategy_contract.batch_group
+        )
+        try:
+            for j, (x, y, kw) in enumerate(parts):
+                last = j == len(parts) - 1
+                with (
+                    nullcontext()
+                    if last or not isinstance(strategy, ParallelStrategy)
+                    else strategy.block_backward_sync()
+                ):
+                    loss = forward_backward(x, y, kw, len(parts))
+                    self.record_train_loss(loss, x if whole_inputs is None else whole_inputs[j * n : (j + 1) * n])
+        finally:
+            forget_step_counts(self.model)
+        return self.step_mean_loss
+
+    def _forward_backward(self, x: Tensor, y: Tensor, kw: dict[str, Tensor], micro_batches: int) -> Tensor:
+        loss = self.model_loss(x, y, **kw)
+        (loss / micro_batches).backward()
+        return loss
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Lightning's backward of the returned loss; none after ``train_in_micro_batches`` (it ran each one's)."""
+        if not self.step_micro_batch:
+            super().backward(loss, *args, **kwargs)
 
     def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
         batch, extra = self.unpack_batch(batch)
@@ -275,8 +353,8 @@ class PretrainModule(L.LightningModule, ModuleContract):
         # Lightning zeroes gradients between training_step and backward; under pipeline
         # parallelism the schedule runs backward inside training_step, so the strategy zeroes
         # them itself before the schedule, at the start of each accumulation window.
-        if self.strategy_contract.backward_in_training_step:
-            return
+        if self.strategy_contract.backward_in_training_step or self.step_micro_batch:
+            return  # zeroed before the step's first backward, inside training_step
         optimizer.zero_grad()
 
     def configure_gradient_clipping(
@@ -313,7 +391,7 @@ class PretrainModule(L.LightningModule, ModuleContract):
     def _tokens_per_step_accumulate(self, inputs: Tensor) -> None:
         if self.global_step == 0 or not self._tokens_per_step:
             dp = self.strategy_contract.data_parallel_size
-            accum = self.trainer.accumulate_grad_batches
+            accum = self.trainer.accumulate_grad_batches * self._micro_batches_per_batch
             self._tokens_per_step = inputs.numel() * dp * accum
 
 

@@ -189,6 +189,27 @@ def moe_aux_loss_fits_pp(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -
         )
 
 
+def moe_step_counts_fit_layout(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """``model.moe.aux_loss_counts=step`` counts with a forward-only pass (under pp torch's schedule ``eval``, which
+    fails for the V-shaped schedules) in the module's micro-batch loop, which fault tolerance's step does not run."""
+    moe = getattr(args, "moe", None)
+    if moe is None or not moe.counts_whole_step:
+        return
+    ft = bool((cfg.get("fault_tolerance") or {}).get("enabled"))
+    from lit_titan.strategies.settings import V_SHAPED
+
+    schedule = cfg.parallel.get("pp_schedule")
+    for key, value, on in (
+        ("parallel.pp_schedule", schedule, dims.pp > 1 and schedule in V_SHAPED),  # torch's eval fails for them
+        ("fault_tolerance.enabled", "true", ft),
+    ):
+        if on:
+            raise ConfigError(
+                f"model.moe.aux_loss_counts=step: not supported with {key}={value} yet (the step's counting "
+                f"forward runs in the module's own micro-batch loop); set model.moe.aux_loss_counts=micro_batch"
+            )
+
+
 def grad_reduce_scatter(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     from lit_titan.strategies.fsdp import PP_LAST_MICROBATCH
 
@@ -327,6 +348,7 @@ CONFIG_RULES = (optimizer, fault_drill, preflight, profiler_windows)
 LAYOUT_RULES = (
     layout_fits_family,
     moe_aux_loss_fits_pp,
+    moe_step_counts_fit_layout,
     tied_embeddings_without_pipeline,
     grad_reduce_scatter,
     degrees_fit_model,

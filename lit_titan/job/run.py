@@ -93,7 +93,7 @@ def train(cfg: DictConfig, callbacks: list | None = None, spec: JobSpec | None =
 
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     datamodule = build_datamodule(cfg, spec)
-    module = build_module(cfg)
+    module = build_module(cfg, spec)
     summary, all_callbacks = build_callbacks(cfg, run_dir, run_keys, extra=callbacks or [])
     trainer = L.Trainer(
         **trainer_arguments(cfg, spec),

@@ -34,6 +34,7 @@ share itself (``injected_loss.add_to_backward``) and keeps the detached value fo
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ from lit_titan.settings import setting
 AUX_LOSSES = ("pooled", "global", "sequence", "none")
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERT_IMPLS = ("auto", "grouped", "loop")
+AUX_LOSS_COUNTS = ("micro_batch", "step")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,9 @@ class MoEArgs:
     num_shared_experts: int = setting(0, ge=0)  # always-on experts (DeepSeek-V3), one SwiGLU of num_shared * hidden_dim
     aux_loss: str = setting("pooled", choices=AUX_LOSSES)
     aux_loss_coef: float = setting(0.0, ge=0)
+    # global loss: count each micro-batch's tokens (micro_batch), or the whole optimizer step's, taken by a
+    # no-grad forward over the step's micro-batches before the first backward (step: exact under accumulation)
+    aux_loss_counts: str = setting("micro_batch", choices=AUX_LOSS_COUNTS)
     bias_update_rate: float = setting(0.0, ge=0)  # > 0: auxiliary-loss-free balancing with this step size
     experts_impl: str = setting("auto", choices=EXPERT_IMPLS)  # auto: grouped GEMM where it works, else the loop
 
@@ -82,12 +87,19 @@ class MoEArgs:
             ("score_func", self.score_func, SCORE_FUNCS),
             ("aux_loss", self.aux_loss, AUX_LOSSES),
             ("experts_impl", self.experts_impl, EXPERT_IMPLS),
+            ("aux_loss_counts", self.aux_loss_counts, AUX_LOSS_COUNTS),
         ):
             if value not in choices:
                 raise ValueError(f"model.moe.{key}={value}: not an option; choose one of {', '.join(choices)}")
         if self.bias_update_rate < 0:
             raise ValueError(
                 f"model.moe.bias_update_rate={self.bias_update_rate}: negative; use 0 (off) or a positive step size"
+            )
+        if self.aux_loss_counts == "step" and (self.aux_loss != "global" or self.aux_loss_coef == 0):
+            raise ValueError(
+                f"model.moe.aux_loss_counts=step: only the global-batch loss counts tokens over the step (aux_loss="
+                f"{self.aux_loss}, aux_loss_coef={self.aux_loss_coef}); set model.moe.aux_loss=global with "
+                f"aux_loss_coef>0, or aux_loss_counts=micro_batch"
             )
         if self.norm_topk_prob and self.top_k == 1 and self.score_func == "softmax" and self.aux_loss_coef == 0:
             # every routing weight would be exactly 1: the router gets no gradient at all and never learns
@@ -100,6 +112,11 @@ class MoEArgs:
     @property
     def has_aux_loss(self) -> bool:
         return self.aux_loss != "none" and self.aux_loss_coef > 0
+
+    @property
+    def counts_whole_step(self) -> bool:
+        """The global-batch loss counts the whole optimizer step's tokens (``count_step_tokens`` first)."""
+        return self.aux_loss_counts == "step" and self.has_aux_loss
 
 
 def stable_topk(scores: Tensor, k: int) -> Tensor:
@@ -257,6 +274,12 @@ class MoE(nn.Module):
         # first micro-batch and restores every buffer afterwards, so the probe leaves nothing here.
         self.register_buffer("injected_aux", torch.zeros((), dtype=torch.float32), persistent=False)
         self.register_buffer("injected_forwards", torch.zeros((), dtype=torch.float32), persistent=False)
+        # ``aux_loss_counts=step`` (``count_step_tokens``): while ``counting`` is set, forwards only add their
+        # tokens per expert (and, last, their tokens) to it; ``step_counts``, the step's totals over
+        # ``count_group``, then replace each micro-batch's own in the global-batch loss until cleared.
+        # (a buffer while set: torch's pipeline stage restores buffers after its metadata probe's forward)
+        self.register_buffer("counting", None, persistent=False)
+        self.step_counts: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         bs, seqlen, dim = x.shape
@@ -302,6 +325,10 @@ class MoE(nn.Module):
 
     def _record(self, scores: Tensor, indices: Tensor, counts: Tensor, bs: int, seqlen: int) -> None:
         counts_f = counts.detach().to(torch.float32)
+        if self.counting is not None:  # the step's counting forward: nothing else (no bias counts, no stats)
+            self.counting += torch.cat([counts_f, counts_f.new_full((1,), bs * seqlen)])
+            self.stats = {}
+            return
         self.last_counts = counts_f  # the last forward's tokens per expert (observe/expert_load.py logs them)
         # A forward that activation checkpointing recomputes inside backward makes the loss terms again (it
         # must save the tensors the forward saved) but takes no counts, runs no collective and keeps the
@@ -323,7 +350,10 @@ class MoE(nn.Module):
             stats = {"counts": counts_f.to(scores.dtype), "prob_sum": scores.sum(0), "rows": bs * seqlen}
         if recomputed:
             return
-        if aux == "global" and self.count_group is not None:
+        if aux == "global" and self.step_counts is not None:  # the whole step's, taken before its first forward
+            stats["global_counts"] = self.step_counts[:-1].to(scores.dtype)
+            stats["global_rows"] = self.step_counts[-1].to(scores.dtype)
+        elif aux == "global" and self.count_group is not None:
             rows = torch.tensor([float(bs * seqlen)], dtype=scores.dtype, device=scores.device)
             both = torch.cat([stats["counts"], rows])
             dist.all_reduce(both, group=self.count_group)
@@ -369,6 +399,49 @@ class _SumOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+def count_step_tokens(
+    model: nn.Module, forwards: Iterable[Callable[[], object]], group: dist.ProcessGroup | None = None
+) -> None:
+    """Take the whole optimizer step's tokens per expert before its first backward (``aux_loss_counts=step``).
+
+    Why a forward: a layer's routing depends on every layer before it, so only the step's own forwards give
+    its counts. ``forwards`` run the step's micro-batches (the same inputs, weights and expert bias as the
+    training forwards that follow, so the same routing) without autograd and with the RNG state restored
+    afterwards; the layers only count in them (no expert-bias counts, no loss statistics). The counts are
+    summed over ``group`` (the ranks sharing the global batch) in one all-reduce, and the global-batch loss
+    of every following forward uses them until ``forget_step_counts``. Then each micro-batch's loss is
+    ``E * sum_e (step counts_e / step tokens) * mean_prob_e`` over its own tokens, and the mean over the
+    micro-batches and ranks (accumulation's and the gradient reduction's) is one process's on the whole batch.
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.args.counts_whole_step]
+    for m in layers:
+        m.step_counts, m.counting = None, m.tokens_per_expert.new_zeros(m.args.num_experts + 1)
+    device = next(model.parameters()).device
+    try:
+        # the forwards run even without such layers here: a pipeline stage without MoE layers takes its part
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for forward in forwards:
+                forward()
+    finally:
+        counts = [m.counting for m in layers]
+        for m in layers:
+            m.counting = None
+    if not layers:
+        return
+    counts = torch.stack(counts)
+    if group is not None:  # the same stage's layers on every rank of the group
+        dist.all_reduce(counts, group=group)
+    for m, row in zip(layers, counts):
+        m.step_counts = row
+
+
+def forget_step_counts(model: nn.Module) -> None:
+    """The step's forwards are done: the next step counts again."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.step_counts = None
 
 
 def layer_aux_loss(m: MoE) -> Tensor:

@@ -174,6 +174,9 @@ class ModuleContract:
     seed: int
     # The step-phase clock the Timeline callback attaches while training (None: no timeline runs).
     phase_clock: PhaseClock | None
+    # Set: each training batch is the rank's whole optimizer step, trained in micro-batches of this many sequences
+    # inside training_step (``PretrainModule.train_in_micro_batches``, backward included); None: Lightning accumulates.
+    step_micro_batch: int | None
 
     @property
     def tokens_per_step(self) -> int:
@@ -206,6 +209,7 @@ class PlainModule:
     model_args = None
     seed = 0
     phase_clock = None  # a Timeline's clock set here is read by nothing: only PretrainModule times phases
+    step_micro_batch = None
     tokens_per_step = 0
     step_mean_loss = None
     last_grad_norm = None

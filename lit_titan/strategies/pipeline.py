@@ -283,7 +283,9 @@ class PipelineRunner:
         self._loss_fn, self._scale = (_identity_loss if loss_in_model else loss_fn), 1.0
         losses: list[Tensor] = []
         kwargs = {**(model_kwargs or {}), **({"labels": labels} if loss_in_model else {})}
-        self.schedule.eval(inputs, target=labels, losses=losses, **kwargs)
+        # return_outputs=False (as in train_step): the last stage's outputs are its losses when the head makes the
+        # loss, which torch cannot merge (0-d tensors)
+        self.schedule.eval(inputs, target=labels, losses=losses, **kwargs, **self._step_kwargs)
         return self._mean_loss(losses)
 
 

@@ -563,6 +563,8 @@ class TitanStrategy(ModelParallelStrategy):
             tokens, extra = module.unpack_batch(args[0])
             inputs, labels = module.split_batch(tokens)
             local_inputs, local_labels = self._shard_sequence(inputs, labels, extra)
+            if module.step_micro_batch:  # the rank's whole step, its micro-batches trained by the module
+                return module.train_in_micro_batches(local_inputs, local_labels, extra, inputs, *self._pipeline_steps())
             if self.pipeline is not None:
                 accumulation = module.trainer.accumulate_grad_batches
                 if args[1] % accumulation == 0:  # first micro-batch of an optimizer step
@@ -584,6 +586,20 @@ class TitanStrategy(ModelParallelStrategy):
                 loss = module.model_loss(local_inputs, local_labels, **extra)
             module.record_train_loss(loss, inputs)
             return loss
+
+    def _pipeline_steps(self) -> tuple[Callable[..., Tensor], Callable[..., Tensor]] | tuple[()]:
+        """The pipeline schedule's step and eval as ``train_in_micro_batches``' micro-step and counting forward."""
+        if self.pipeline is None:
+            return ()
+        module, run = self.lightning_module, self.pipeline
+        logging = is_logging_step(module.trainer, module.global_step + 1)
+        options = {"loss_fn": module.compute_loss, "loss_in_model": module.loss_in_model}
+        return (
+            lambda x, y, kw, n: run.train_step(
+                x, y, **options, accumulation=n, sum_over_stages=logging, model_kwargs=kw
+            ),
+            lambda x, y, kw: run.eval_step(x, y, **options, model_kwargs=kw),
+        )
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():

@@ -107,6 +107,18 @@ def test_resume_from_ep2xdp2_under_another_ep(layout, ep2xdp2_run, ep_parity_ref
     check_ep_case(f"resume_{layout[-1]}", ep_parity_reference, got)
 
 
+def test_global_aux_loss_under_accumulation_needs_the_step_counts(ep_parity_reference, tmp_path, worlds):
+    """``ep2_accum2_global_step`` without ``model.moe.aux_loss_counts=step`` (nor checkpointing): each micro-step
+    counts only its own tokens over the batch group, which is not one process on the whole batch (docs/moe.md,
+    "precisely"); parity fails by at least 10x the tolerance."""
+    case = "ep2_accum2_global_micro_batch"
+    overrides = ["cluster.devices=2", "parallel.ep=2", "data.micro_batch_size=2"]
+    report = measure(case, ep_parity_reference, run_layout(worlds, [*MOE, *overrides], tmp_path))
+    ratio, what = report.margin(TOL)
+    print(f"{case}: off by {ratio:.3g}x the tolerance ({what})")
+    assert ratio >= 10, f"{case}: within {ratio:.3g}x of one process: the step counts would prove nothing ({what})"
+
+
 def test_pipeline_aux_loss_mutant_is_caught_with_a_10x_margin(sequence_aux_reference, tmp_path, worlds):
     """The MoE layers' auxiliary loss back-propagated without the pipeline's loss scale (``pp_aux_loss_unscaled``,
     tests/support/mutants/) fails the interleaved pp2 case by at least 10x the tolerance."""

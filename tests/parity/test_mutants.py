@@ -61,6 +61,10 @@ EP_TARGETS = {
         "test_expert_parallel.py::test_expert_parallel_matches_single_process",
         "ep2xtp2",
     ),
+    "step_counts_one_rank": (
+        "test_expert_parallel.py::test_expert_parallel_matches_single_process",
+        "ep2_accum2_global_step",
+    ),
 }
 
 # Mutants of code every layout shares (the data path's positions): the one-process reference has the same bug,

@@ -414,13 +414,24 @@ MOE = [
 ]
 # The sequence-wise auxiliary loss, for the accumulation cases: the global-batch and pooled losses count the
 # tokens of one micro-batch (over the data/context ranks), so under gradient accumulation they are not the
-# one-process loss of the whole batch (models/moe.py; the same without any parallelism), while the
+# one-process loss of the whole batch (models/moe.py; the same without any parallelism; the global one is with
+# model.moe.aux_loss_counts=step: ep2_accum2_global_step), while the
 # sequence-wise loss is a mean over sequences, which accumulation keeps. These cases have their own reference.
 SEQUENCE_AUX = ["model.moe.aux_loss=sequence"]
 # name -> overrides on top of PARITY + MOE; ep borrows its ranks from dp_shard x cp.
 EP_CASES: dict[str, list[str]] = {
     "ep2": ["cluster.devices=2", "parallel.ep=2"],
     "ep2_accum2": ["cluster.devices=2", "parallel.ep=2", "data.micro_batch_size=2", *SEQUENCE_AUX],
+    # the global-batch loss under accumulation with the step's counts taken first (model.moe.aux_loss_counts=step),
+    # every block recomputed in backward (its forward must not count again)
+    "ep2_accum2_global_step": [
+        "cluster.devices=2",
+        "parallel.ep=2",
+        "data.micro_batch_size=2",
+        "model.moe.aux_loss_counts=step",
+        "callbacks=[activation_checkpointing]",
+        "callbacks.activation_checkpointing.mode=full",
+    ],
     # dp_shard 4 = efsdp 2 x ep 2; saves the step-4 checkpoint the resume case starts from
     "ep2xdp2": [
         "cluster.devices=4",
@@ -453,6 +464,14 @@ EP_CASES: dict[str, list[str]] = {
         *SEQUENCE_AUX,
     ],
     "pp2xep2": ["cluster.devices=4", "parallel.pp=2", "parallel.ep=2", *SEQUENCE_AUX],
+    # the global-batch loss under pp with the step's counts taken first by the schedule's eval (aux_loss_counts=step)
+    "pp2_Interleaved1F1B_accum2_global_step": [
+        "cluster.devices=2",
+        "parallel.pp=2",
+        "parallel.pp_schedule=Interleaved1F1B",
+        "data.micro_batch_size=4",
+        "model.moe.aux_loss_counts=step",
+    ],
     # every block recomputed in backward: its dispatch and combine run again, its counts are not taken again
     "ep2_ac_full": [
         "cluster.devices=2",

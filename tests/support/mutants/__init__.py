@@ -544,3 +544,16 @@ def _pp_aux_unscaled(p: _Patcher) -> None:
 
     original = moe.add_to_backward
     p.set(moe, "add_to_backward", lambda hidden, term, scale: original(hidden, term, 1.0))
+
+
+@mutant(
+    "step_counts_one_rank",
+    "with model.moe.aux_loss_counts=step the step's token counts are this rank's only (not summed over the batch "
+    "group)",
+    "module.py: PretrainModule.train_in_micro_batches (count_step_tokens's group)",
+)
+def _step_counts_one_rank(p: _Patcher) -> None:
+    import lit_titan.module as module
+
+    original = module.count_step_tokens
+    p.set(module, "count_step_tokens", lambda model, forwards, group=None: original(model, forwards, None))

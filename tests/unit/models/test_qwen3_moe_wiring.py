@@ -42,6 +42,20 @@ TINY_MOE = {
         (["model.moe.hidden_dim=abc"], "model.moe.hidden_dim=abc: wrong type"),
         (["cluster.devices=2", "parallel.pp=2"], "model.moe.aux_loss=pooled: not supported with parallel.pp=2"),
         (["model.name=qwen4"], "model.name=qwen4: not a model flavor; choose model=<one of"),
+        (
+            ["model.moe.aux_loss=sequence", "model.moe.aux_loss_counts=step"],
+            "model.moe.aux_loss_counts=step: only the global-batch loss counts tokens over the step",
+        ),
+        *(
+            (
+                ["model.moe.aux_loss=global", "model.moe.aux_loss_counts=step", *layout],
+                f"model.moe.aux_loss_counts=step: not supported with {layout[-1]} yet",
+            )
+            for layout in (
+                ["cluster.devices=2", "parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
+                ["cluster.devices=2", "parallel.dp_replicate=2", "fault_tolerance.enabled=true"],
+            )
+        ),
     ],
 )
 def test_bad_moe_settings_are_refused_in_one_line(overrides, line):
