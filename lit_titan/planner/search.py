@@ -165,7 +165,11 @@ def _refused(args, dims: ParallelDims, ac_mode: str) -> str | None:
     from lit_titan.config import rules
 
     cfg = OmegaConf.create({"callbacks": {"activation_checkpointing": {"mode": ac_mode}} if ac_mode != "none" else {}})
-    for rule in (rules.experts_fit_ep, rules.expert_parallel_with_selective_op_checkpointing):
+    for rule in (
+        rules.experts_fit_ep,
+        rules.expert_parallel_with_selective_op_checkpointing,
+        rules.expert_parallel_with_tp_under_pp,
+    ):
         try:
             rule(cfg, args, dims)
         except ValueError as err:

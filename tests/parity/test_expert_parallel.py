@@ -7,14 +7,16 @@ expert bias), in the parity regime of
 (``ep_parity_reference``, shared with the EP mutants of test_mutants.py). Each case is the training entry
 point in a reused gloo world with the dump of every pre-clip gradient (router and experts included), the clip
 norm and the weights plus the expert bias after steps 0, 4 and 7; the logged auxiliary loss is compared too.
-Under pipeline parallel (``pp2...`` cases) each stage's MoE layers back-propagate their own share of the
-auxiliary loss and update their own expert biases (docs/moe.md). ep2 x tp2 splits the experts over ep x tp (each tp
+Under pipeline parallel (``pp2...`` cases: with ep, tp and cp, and under every schedule family, the zero-bubble
+ones included) each stage's MoE layers back-propagate their own share of the auxiliary loss and update their own
+expert biases (docs/moe.md). ep2 x tp2 splits the experts over ep x tp (each tp
 rank dispatching its share of the tokens).
 """
 
 import pytest
 
 from helpers import read_metrics
+from lit_titan.strategies.pipeline import ZERO_BUBBLE
 from parity import (
     DUMP_STEPS,
     EP_CASES,
@@ -31,6 +33,8 @@ from parity import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.parity]
+# the schedules that split backward into input and weight gradients each have a case
+assert all(any(f"_{s}" in case for case in EP_CASES) for s in ZERO_BUBBLE)
 
 
 def aux_losses(run_dir) -> list[float]:

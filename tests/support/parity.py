@@ -418,6 +418,7 @@ MOE = [
 # model.moe.aux_loss_counts=step: ep2_accum2_global_step), while the
 # sequence-wise loss is a mean over sequences, which accumulation keeps. These cases have their own reference.
 SEQUENCE_AUX = ["model.moe.aux_loss=sequence"]
+PP2 = ["cluster.devices=2", "parallel.pp=2"]
 # name -> overrides on top of PARITY + MOE; ep borrows its ranks from dp_shard x cp.
 EP_CASES: dict[str, list[str]] = {
     "ep2": ["cluster.devices=2", "parallel.ep=2"],
@@ -472,6 +473,14 @@ EP_CASES: dict[str, list[str]] = {
         "data.micro_batch_size=4",
         "model.moe.aux_loss_counts=step",
     ],
+    # the stage I/O and the all-gathered MoE input under tp; the cp sums of the sequence-wise loss inside a stage
+    "pp2xtp2": ["cluster.devices=4", "parallel.pp=2", "parallel.tp=2", *SEQUENCE_AUX],
+    "pp2xcp2": ["cluster.devices=4", "parallel.pp=2", "parallel.cp=2", *SEQUENCE_AUX],
+    # the zero-bubble schedules split backward into input and weight gradients (the injected share must reach
+    # the router in both), DualPipeV also overlaps one micro-batch's forward with another's backward
+    "pp2_InterleavedZeroBubble": [*PP2, "parallel.pp_schedule=InterleavedZeroBubble", *SEQUENCE_AUX],
+    "pp2_ZBVZeroBubble": [*PP2, "parallel.pp_schedule=ZBVZeroBubble", *SEQUENCE_AUX],
+    "pp2_DualPipeV_accum2": [*PP2, "parallel.pp_schedule=DualPipeV", "data.micro_batch_size=4", *SEQUENCE_AUX],
     # every block recomputed in backward: its dispatch and combine run again, its counts are not taken again
     "ep2_ac_full": [
         "cluster.devices=2",
