@@ -30,6 +30,7 @@ import time
 
 from omegaconf import DictConfig
 
+from lit_titan.cli.store import DEFAULT_PORT
 from lit_titan.config import compose, validate
 from lit_titan.errors import ConfigError
 from lit_titan.job.settings import LAUNCHERS, ClusterConfig
@@ -71,7 +72,10 @@ def check_cluster(cfg: DictConfig) -> None:
             )
 
 
-STORE_PORT = 29600  # `lit-titan store`'s default
+def launches_per_replica_group(cfg: DictConfig) -> bool:
+    """Fault tolerance under torchrun: one agent per replica group (``replica_group_commands``)."""
+    launcher = cfg.cluster.get("launcher", ClusterConfig().launcher)
+    return bool((cfg.get("fault_tolerance") or {}).get("enabled")) and launcher == "torchrun"
 
 
 def replica_group_commands(cfg: DictConfig, overrides: list[str]) -> str:
@@ -89,10 +93,10 @@ def replica_group_commands(cfg: DictConfig, overrides: list[str]) -> str:
             f"parallel.dp_replicate={replicas} groups do not divide them; set cluster.num_nodes to a multiple of "
             f"{replicas}"
         )
-    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    for o in overrides:
-        if o.split("=", 1)[0].lstrip("+~") in ("fault_tolerance.replica_id", "fault_tolerance.store"):
-            raise ConfigError(f"{o}: each group's line sets it (REPLICA, LIT_TITAN_STORE); leave it out here")
+    keys = {o.split("=", 1)[0].lstrip("+~"): o for o in overrides}
+    for key in ("fault_tolerance.replica_id", "fault_tolerance.store"):
+        if key in keys:
+            raise ConfigError(f"{keys[key]}: each group's line sets it (REPLICA, LIT_TITAN_STORE); leave it out here")
     if "run_dir" not in keys:  # every group and every restart writes to the same run_dir
         overrides = [*overrides, f"run_dir=runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"]
     args = " ".join(shlex.quote(o) for o in overrides)
@@ -107,9 +111,9 @@ def replica_group_commands(cfg: DictConfig, overrides: list[str]) -> str:
             "# fault_tolerance.enabled=true: one torchrun agent per replica group; an agent restarts only its own",
             '# group, which rejoins the others (docs/fault_tolerance.md, "Launching one torchrun per replica group").',
             "# 1. The job's store, for the whole job, on a host that outlives the groups (e.g. the login node):",
-            f"python -m lit_titan.cli store --port {STORE_PORT}",
+            f"python -m lit_titan.cli store --port {DEFAULT_PORT}",
             f"# 2. On each node of replica group REPLICA (0..{replicas - 1}; {group_nodes} node(s) each), with "
-            f"LIT_TITAN_STORE=<that host>:{STORE_PORT}:",
+            f"LIT_TITAN_STORE=<that host>:{DEFAULT_PORT}:",
             f"torchrun --nnodes={group_nodes} --nproc_per_node={per_node} --max-restarts={restarts} "
             f"--rdzv_backend=c10d {rdzv} -m lit_titan.train {args} "
             '"fault_tolerance.replica_id=${REPLICA:?set REPLICA to this replica group}" '
@@ -127,7 +131,7 @@ def launch_command(cfg: DictConfig, overrides: list[str]) -> str:
     """
     check_cluster(cfg)
     c = cfg.cluster
-    if (cfg.get("fault_tolerance") or {}).get("enabled") and c.get("launcher", ClusterConfig().launcher) == "torchrun":
+    if launches_per_replica_group(cfg):
         return replica_group_commands(cfg, overrides)
     keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     if "resume" not in keys:
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> str:
     command = launch_command(cfg, overrides)
     if dry_run:
         print(command)
-    elif cfg.get("fault_tolerance", {}).get("enabled") and command.startswith("#"):
+    elif launches_per_replica_group(cfg):
         print(command)
         print("\n# start the store, then run the torchrun line on every node of each replica group", file=sys.stderr)
     elif cfg.cluster.get("launcher", ClusterConfig().launcher) == "srun":

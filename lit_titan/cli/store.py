@@ -18,13 +18,15 @@ import sys
 import threading
 from datetime import timedelta
 
-__all__ = ["main"]
+__all__ = ["DEFAULT_PORT", "main"]
+
+DEFAULT_PORT = 29600  # what `lit-titan launch` prints for the store
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lit-titan store", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default=socket.getfqdn(), help="the name the groups reach it by (printed)")
-    parser.add_argument("--port", type=int, default=29600, help="port to listen on (0: a free one, printed)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on (0: a free one, printed)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not 0 <= args.port < 65536:
         print(f"lit-titan: error: --port={args.port}: not a port; use 1..65535 (0: a free one)", file=sys.stderr)
