@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lit_titan.errors import error_line, is_peer_failure, one_line
 
-QUIET_RANK_EXIT_DELAY_S = 5.0  # see report_user_error
+QUIET_RANK_EXIT_DELAY_S = 5.0  # see report_user_error and report_peer_failure
 
 
 def wait_for_parent(pid: int, timeout_s: float = 60.0) -> None:
@@ -111,6 +111,10 @@ def report_peer_failure() -> None:
         # torchrun's agent names the ended rank with its exit code or signal and stops the survivors with
         # SIGTERM; a survivor that sees the closed connection before that SIGTERM lands would add a second,
         # vaguer line (it did in CI, one run in several), so under torchrun the agent's line is the report.
+        # Stay up until that SIGTERM (bounded): the agent names the failure with the earliest timestamp
+        # among the ranks that have ended when it looks, and a survivor that ended first was named in
+        # place of the killed rank (exit code 1 instead of its signal, in CI, one run in several).
+        _wait_for_sigterm(QUIET_RANK_EXIT_DELAY_S)
         return
     rank = peer_exit.this_rank()
     run_dir = os.environ.get("LIT_TITAN_RUN_DIR")
@@ -129,6 +133,31 @@ def report_peer_failure() -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+class _Stopped(Exception):
+    """The launcher's SIGTERM arrived while ``_wait_for_sigterm`` waited for it."""
+
+
+def _wait_for_sigterm(timeout_s: float) -> None:
+    """Sleep until SIGTERM or ``timeout_s``; the caller then exits as it would have (exit code, exit handlers)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(timeout_s)  # only the main thread may take a signal handler
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        time.sleep(timeout_s)
+    except _Stopped:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _another_rank_reported(log_dir: Path, rank: int, wait_s: float = 3.0) -> bool:
