@@ -99,6 +99,15 @@ def ep_parity_reference(worlds, tmp_path_factory):
     return run_reference(worlds, tmp_path_factory.mktemp("ep-parity-reference"), extra=MOE)
 
 
+@pytest.fixture(scope="session")
+def sequence_aux_reference(worlds, tmp_path_factory):
+    """One process with the sequence-wise auxiliary loss (``parity.SEQUENCE_AUX``): the expert-parallel cases
+    under accumulation or pp, and their mutants, compare with it."""
+    from parity import MOE, SEQUENCE_AUX, run_reference
+
+    return run_reference(worlds, tmp_path_factory.mktemp("moe-sequence-reference"), extra=[*MOE, *SEQUENCE_AUX])
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -241,16 +241,6 @@ def expert_parallel_with_selective_op_checkpointing(cfg: DictConfig, args: Model
         )
 
 
-def expert_parallel_with_tp_under_pp(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
-    """pp x ep x tp trains the routed experts on gradients about 1.5 x one process's (docs/moe.md, "Proof";
-    each pair of the three matches one process): refused until the cause is found."""
-    if dims.pp > 1 and dims.ep > 1 and dims.tp > 1:
-        raise ConfigError(
-            f"parallel.ep={dims.ep}: not supported with parallel.pp={dims.pp} and parallel.tp={dims.tp} together "
-            f"(the routed experts' gradients come out wrong); drop one of pp, ep or tp"
-        )
-
-
 def expert_parallel_with_fullgraph_compile(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     """Under expert parallel each block's experts are an FSDP unit of their own; torch.compile skips FSDP's
     hooks (a graph break), which ``fullgraph=true`` turns into an error on the first step."""
@@ -365,7 +355,6 @@ LAYOUT_RULES = (
     cp_mode_fits_model,
     experts_fit_ep,
     expert_parallel_with_selective_op_checkpointing,
-    expert_parallel_with_tp_under_pp,
     expert_parallel_with_fullgraph_compile,
     attention_backend,
     pipeline_validation,

@@ -168,7 +168,6 @@ def _refused(args, dims: ParallelDims, ac_mode: str) -> str | None:
     for rule in (
         rules.experts_fit_ep,
         rules.expert_parallel_with_selective_op_checkpointing,
-        rules.expert_parallel_with_tp_under_pp,
     ):
         try:
             rule(cfg, args, dims)

@@ -29,7 +29,6 @@ from parity import (
     measure,
     run_ep_case,
     run_layout,
-    run_reference,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.parity]
@@ -73,12 +72,6 @@ def routing_changed(reference) -> float:
 def ep2xdp2_run(worlds, ep_parity_reference, tmp_path_factory):
     """ep2 x efsdp2 on 4 ranks, saving the step-4 checkpoint the resume test continues from."""
     return run_ep_case(worlds, "ep2xdp2", tmp_path_factory.mktemp("ep2xdp2"))
-
-
-@pytest.fixture(scope="module")
-def sequence_aux_reference(worlds, tmp_path_factory):
-    """One process with the sequence-wise auxiliary loss (``parity.SEQUENCE_AUX``), for the accumulation cases."""
-    return run_reference(worlds, tmp_path_factory.mktemp("moe-sequence-reference"), extra=[*MOE, *SEQUENCE_AUX])
 
 
 @pytest.mark.parametrize("case", [c for c in EP_CASES if c != "ep2xdp2"] + ["ep2xdp2"])

@@ -17,7 +17,7 @@ import os
 import pytest
 
 from mutants import MUTANTS, applied
-from parity import TOL, measure, run_case, run_ep_case
+from parity import EP_CASES, MOE, SEQUENCE_AUX, TOL, compare, measure, run_case, run_ep_case, run_layout
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +64,15 @@ EP_TARGETS = {
     "step_counts_one_rank": (
         "test_expert_parallel.py::test_expert_parallel_matches_single_process",
         "ep2_accum2_global_step",
+    ),
+}
+
+# Expert-parallel mutants checked on step 0 alone (a bug in every step's expert gradients, in an 8-rank case):
+# mutant -> (the test, its case in parity.EP_CASES).
+EP_FIRST_STEP_TARGETS = {
+    "moe_tp_swaps_expert_weights": (
+        "test_expert_parallel.py::test_expert_parallel_matches_single_process",
+        "pp2xep2xtp2",
     ),
 }
 
@@ -154,11 +163,20 @@ def test_every_mutant_is_caught_with_a_10x_margin(parity_reference, tmp_path, wo
     _report(rows)
 
 
-def test_expert_parallel_mutants_are_caught_with_a_10x_margin(ep_parity_reference, tmp_path, worlds):
-    """The same for the expert-parallel bugs, against the MoE reference (``parity.MOE``)."""
+def test_expert_parallel_mutants_are_caught_with_a_10x_margin(
+    ep_parity_reference, sequence_aux_reference, tmp_path, worlds
+):
+    """The same for the expert-parallel bugs, against the MoE reference (``parity.MOE``; the sequence-wise
+    loss's for a case with it)."""
     rows = []
     for name, (test, case) in EP_TARGETS.items():
         report = measure(case, ep_parity_reference, run_ep_case(worlds, case, tmp_path / name, mutant=name))
+        rows.append(_row(name, test, case, report))
+    for name, (test, case) in EP_FIRST_STEP_TARGETS.items():
+        reference = sequence_aux_reference if SEQUENCE_AUX[0] in EP_CASES[case] else ep_parity_reference
+        run_layout(worlds, [*MOE, *EP_CASES[case], "trainer.max_steps=1"], tmp_path / name, name, steps=[0])
+        report = compare(reference / "dump", tmp_path / name / "dump", steps=[0])
+        report.worst.pop("params", None)  # after the step: the one-step run's LR schedule is another
         rows.append(_row(name, test, case, report))
     _report(rows, "MUTANT_TABLE_EP")
 

@@ -464,7 +464,9 @@ EP_CASES: dict[str, list[str]] = {
         "data.micro_batch_size=4",
         *SEQUENCE_AUX,
     ],
-    "pp2xep2": ["cluster.devices=4", "parallel.pp=2", "parallel.ep=2", *SEQUENCE_AUX],
+    # pp x ep x tp (8 ranks): the tp style's weight swap meets the experts' own FSDP unit, which the pipeline
+    # leaves unsharded between micro-batches (mutant moe_tp_swaps_expert_weights)
+    "pp2xep2xtp2": ["cluster.devices=8", "parallel.pp=2", "parallel.ep=2", "parallel.tp=2", *SEQUENCE_AUX],
     # the global-batch loss under pp with the step's counts taken first by the schedule's eval (aux_loss_counts=step)
     "pp2_Interleaved1F1B_accum2_global_step": [
         "cluster.devices=2",
@@ -481,6 +483,10 @@ EP_CASES: dict[str, list[str]] = {
     "pp2_InterleavedZeroBubble": [*PP2, "parallel.pp_schedule=InterleavedZeroBubble", *SEQUENCE_AUX],
     "pp2_ZBVZeroBubble": [*PP2, "parallel.pp_schedule=ZBVZeroBubble", *SEQUENCE_AUX],
     "pp2_DualPipeV_accum2": [*PP2, "parallel.pp_schedule=DualPipeV", "data.micro_batch_size=4", *SEQUENCE_AUX],
+    # the breadth-first schedules: every micro-batch's forward before any backward (GPipe), and looped stages
+    # (LoopedBFS: 4 stages on 2 ranks, each rank's stages in turn)
+    "pp2_GPipe": [*PP2, "parallel.pp_schedule=GPipe", *SEQUENCE_AUX],
+    "pp2_LoopedBFS_accum2": [*PP2, "parallel.pp_schedule=LoopedBFS", "data.micro_batch_size=4", *SEQUENCE_AUX],
     # every block recomputed in backward: its dispatch and combine run again, its counts are not taken again
     "ep2_ac_full": [
         "cluster.devices=2",

@@ -27,6 +27,7 @@ and is refused with pp > 1 (``config/rules.py: moe_aux_loss_fits_pp``).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -63,28 +64,39 @@ def replicated_moe_style() -> Any:
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
         return (x.redistribute(placements=[Replicate()]).to_local(), *inputs[1:])
 
-    def local_weights(module: nn.Module, inputs: tuple) -> None:
-        swapped = []
-        for sub in module.modules():
-            for pname, param in list(sub._parameters.items()):
-                if isinstance(param, DTensor):
-                    swapped.append((sub, pname, param))
-                    sub._parameters[pname] = param.to_local()
-        module._replicated_params = swapped
-
-    def restore_weights(module: nn.Module, inputs: tuple, output: Any) -> None:
-        for sub, pname, param in getattr(module, "_replicated_params", ()):
-            sub._parameters[pname] = param
-        module._replicated_params = []
-
     class ReplicatedMoE(ParallelStyle):
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
             distribute_module(module, device_mesh, replicate_params, gather_input, shard_output)
-            module.register_forward_pre_hook(local_weights)
+            module.register_forward_pre_hook(partial(local_weights, mesh=device_mesh))
             module.register_forward_hook(restore_weights)
             return module
 
     return ReplicatedMoE()
+
+
+def local_weights(module: nn.Module, inputs: tuple, mesh: Any) -> None:
+    """Forward pre-hook: the weights ``replicated_moe_style`` made Replicate over ``mesh`` as their local tensors.
+
+    Only those: the routed experts under ep are DTensors on the expert mesh, an FSDP unit of their own whose
+    registered parameter FSDP's own hooks swap after this one runs. Swapped here too, ``restore_weights`` put
+    a stale (sharded) parameter back, and under pp (no reshard between micro-batches) the next forward
+    trained it directly, its gradient missing FSDP's divide factor (pp x ep x tp: about 1.5x)."""
+    from torch.distributed.tensor import DTensor
+
+    swapped = []
+    for sub in module.modules():
+        for pname, param in list(sub._parameters.items()):
+            if isinstance(param, DTensor) and param.device_mesh == mesh:
+                swapped.append((sub, pname, param))
+                sub._parameters[pname] = param.to_local()
+    module._replicated_params = swapped
+
+
+def restore_weights(module: nn.Module, inputs: tuple, output: Any) -> None:
+    """Forward hook: the DTensor weights ``local_weights`` swapped out, back in place."""
+    for sub, pname, param in getattr(module, "_replicated_params", ()):
+        sub._parameters[pname] = param
+    module._replicated_params = []
 
 
 def shard_output(module: nn.Module, output: Any, mesh: Any) -> Any:

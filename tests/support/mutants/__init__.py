@@ -522,6 +522,29 @@ def _ep_tp_router_partial(p: _Patcher) -> None:
 
 
 @mutant(
+    "moe_tp_swaps_expert_weights",
+    "the tp style of the MoE layer swaps every DTensor weight under it for its local tensor during forward, the "
+    "routed experts' too (an FSDP unit of their own under ep): the restore puts a stale sharded parameter back, "
+    "which the next pipeline micro-batch trains directly, outside FSDP's gradient division",
+    "models/qwen3_moe/parallelize.py: local_weights",
+)
+def _moe_tp_swaps_expert_weights(p: _Patcher) -> None:
+    from lit_titan.models.qwen3_moe import parallelize
+
+    original = parallelize.local_weights
+
+    def local_weights(module, inputs, mesh):  # every DTensor under the layer, whatever its mesh
+        meshes = {id(t.device_mesh): t.device_mesh for t in module.parameters() if hasattr(t, "device_mesh")}
+        swapped = []
+        for m in meshes.values():
+            original(module, inputs, m)
+            swapped += module._replicated_params
+        module._replicated_params = swapped
+
+    p.set(parallelize, "local_weights", local_weights)
+
+
+@mutant(
     "expert_bias_from_one_rank",
     "the auxiliary-loss-free expert bias moves by each rank's own token counts (not summed over the batch group)",
     "module.py: PretrainModule.on_before_optimizer_step (update_expert_bias's group)",

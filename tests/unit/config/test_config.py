@@ -78,18 +78,6 @@ def test_documented_overrides_apply():
             "callbacks.activation_checkpointing.mode=selective_op: not supported with parallel.ep=2",
         ),
         (
-            [
-                "model=qwen3_moe_debug",
-                "model.moe.aux_loss=sequence",
-                "cluster.devices=8",
-                "parallel.pp=2",
-                "parallel.tp=2",
-                "parallel.ep=2",
-            ],
-            ConfigError,
-            "parallel.ep=2: not supported with parallel.pp=2 and parallel.tp=2",
-        ),
-        (
             ["model=qwen3_moe_debug", "cluster.devices=2", "parallel.ep=2", "callbacks=[compile]"],
             ConfigError,
             "callbacks.compile.fullgraph=true: not supported with parallel.ep=2",
