@@ -464,6 +464,7 @@ EP_CASES: dict[str, list[str]] = {
         "data.micro_batch_size=4",
         *SEQUENCE_AUX,
     ],
+    "pp2xep2": ["cluster.devices=4", "parallel.pp=2", "parallel.ep=2", *SEQUENCE_AUX],
     # pp x ep x tp (8 ranks): the tp style's weight swap meets the experts' own FSDP unit, which the pipeline
     # leaves unsharded between micro-batches (mutant moe_tp_swaps_expert_weights)
     "pp2xep2xtp2": ["cluster.devices=8", "parallel.pp=2", "parallel.ep=2", "parallel.tp=2", *SEQUENCE_AUX],
