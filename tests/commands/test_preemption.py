@@ -123,14 +123,14 @@ def test_s3_outage_retries_then_saves_and_exits_for_requeue(tmp_path):
     """The S3 server stops mid-run: the reader retries (bounded), then every rank saves and the job exits
     with the one line and the requeue code; the advice is to continue, not to change AWS_ENDPOINT_URL."""
     import boto3
-    from test_data_order import _synthetic_corpus
 
+    from helpers import synthetic_corpus
     from lit_titan.data import prepare_shards, split_corpus, text_corpus
     from lit_titan.data.remote import OUTAGE_ENV, upload_dir
     from lit_titan.data.tokenizers import train_bpe_tokenizer
     from s3server import S3Server, start_moto
 
-    corpus = text_corpus(_synthetic_corpus(tmp_path / "docs", 120, 300, seed=5))
+    corpus = text_corpus(synthetic_corpus(tmp_path / "docs", 120, 300, seed=5))
     train, val = split_corpus(corpus, 0.05)
     prepare_shards(
         train, val, train_bpe_tokenizer(corpus, 512, tmp_path / "tok"), tmp_path / "local", chunk_tokens=256

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import random
 import re
 import signal
 import subprocess
@@ -189,3 +190,17 @@ def assert_losses_match(got: list[float], ref: list[float], rtol: float) -> None
     assert len(set(ref)) > 1, "the reference loss never changed: nothing was compared"
     worst = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
     assert worst <= rtol, f"worst relative loss difference {worst:.3g} > {rtol}\n got={got}\n ref={ref}"
+
+
+CORPUS_WORDS = [f"w{i}" for i in range(300)] + ["the", "of", "and", "def", "return", "(", ")", ":"]
+
+
+def synthetic_corpus(root: Path, files: int, words: int, seed: int, tag: str = "") -> Path:
+    """Many small deterministic documents: many chunks from little text."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        (root / f"{tag}doc{i:04d}.txt").write_text(
+            " ".join(rng.choice(CORPUS_WORDS) for _ in range(words)) + f" {tag}{i}\n"
+        )
+    return root

@@ -8,7 +8,6 @@ parity runs are in tests/parity/test_data_parity.py.
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,32 +17,23 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import synthetic_corpus
 from lit_titan.data import Blend, GlobalBatches, PretrainDataModule, SourceOrder, prepare_shards, text_corpus
 from lit_titan.data.corpus import split_corpus
 from lit_titan.data.tokenizers import train_bpe_tokenizer
 
 SEQ = 32
-WORDS = [f"w{i}" for i in range(300)] + ["the", "of", "and", "def", "return", "(", ")", ":"]
-
-
-def _synthetic_corpus(root: Path, files: int, words: int, seed: int, tag: str = "") -> Path:
-    """Many small deterministic documents: many chunks from little text."""
-    rng = random.Random(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    for i in range(files):
-        (root / f"{tag}doc{i:04d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(words)) + f" {tag}{i}\n")
-    return root
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two prepared sources with one tokenizer: `a` (~240 small chunks) and `b` (smaller, other words)."""
     base = tmp_path_factory.mktemp("order")
-    a_corpus = text_corpus(_synthetic_corpus(base / "a_docs", 240, 300, seed=1))
+    a_corpus = text_corpus(synthetic_corpus(base / "a_docs", 240, 300, seed=1))
     tok = train_bpe_tokenizer(a_corpus, 512, base / "tok")
     a_train, a_val = split_corpus(a_corpus, 0.05)
     prepare_shards(a_train, a_val, tok, base / "a", chunk_tokens=256)
-    b_train, _ = split_corpus(text_corpus(_synthetic_corpus(base / "b_docs", 40, 200, seed=2, tag="b")), 0.0)
+    b_train, _ = split_corpus(text_corpus(synthetic_corpus(base / "b_docs", 40, 200, seed=2, tag="b")), 0.0)
     prepare_shards(b_train, None, tok, base / "b", chunk_tokens=256)
     return {"a": str(base / "a"), "b": str(base / "b"), "cache": str(base / "cache"), "tok": tok}
 
@@ -228,7 +218,7 @@ def test_bad_inputs_are_one_line_before_any_work(shards: dict[str, Any], tmp_pat
     with pytest.raises(ConfigError, match=r"data=mixture needs data\.sources"):
         _dm(shards, corpus="mixture", path=None)
     # a source prepared with another vocabulary
-    c = text_corpus(_synthetic_corpus(tmp_path / "c_docs", 5, 50, seed=3))
+    c = text_corpus(synthetic_corpus(tmp_path / "c_docs", 5, 50, seed=3))
     prepare_shards(c, None, other, tmp_path / "c", chunk_tokens=256)
     with pytest.raises(ConfigError, match="different tokenizers"):
         _dm(

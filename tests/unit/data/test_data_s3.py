@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_data_order import SEQ, _passes, _synthetic_corpus
+from test_data_order import SEQ, _passes
 
-from helpers import TINY, losses
+from helpers import TINY, losses, synthetic_corpus
 from lit_titan.data import PretrainDataModule, prepare_shards, split_corpus, text_corpus
 from lit_titan.data.remote import upload_dir
 from lit_titan.data.tokenizers import train_bpe_tokenizer
@@ -24,7 +24,7 @@ from lit_titan.data.tokenizers import train_bpe_tokenizer
 @pytest.fixture(scope="module")
 def uploaded(tmp_path_factory: pytest.TempPathFactory, s3_server: Any) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("s3data")
-    corpus = text_corpus(_synthetic_corpus(base / "docs", 120, 300, seed=5))
+    corpus = text_corpus(synthetic_corpus(base / "docs", 120, 300, seed=5))
     tok = train_bpe_tokenizer(corpus, 512, base / "tok")
     train, val = split_corpus(corpus, 0.05)
     prepare_shards(train, val, tok, base / "local", chunk_tokens=256)
