@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from lit_titan.errors import ConfigError
-from lit_titan.fault_tolerance.launch import replica_launch
 
 if TYPE_CHECKING:
     from lit_titan.models.registry import ModelArgsLike as ModelArgs
@@ -341,6 +340,30 @@ def fault_tolerance_layout(cfg: DictConfig, args: ModelArgs, dims: ParallelDims)
         raise ConfigError(
             f"trainer.limit_val_batches={cfg.trainer.limit_val_batches}: validation under "
             "fault_tolerance.enabled=true is not supported yet; set trainer.limit_val_batches=0"
+        )
+
+
+def replica_launch(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """``fault_tolerance.replica_id`` names a group of this layout and comes with the store (one launch per
+    replica group: fault_tolerance/launch.py)."""
+    ft = cfg.get("fault_tolerance") or {}
+    replica = ft.get("replica_id")
+    if replica is None:
+        return
+    if not ft.get("enabled"):
+        raise ConfigError(
+            f"fault_tolerance.replica_id={replica}: launches one replica group of a fault-tolerant job; "
+            "set fault_tolerance.enabled=true, or drop fault_tolerance.replica_id"
+        )
+    if not 0 <= int(replica) < dims.dp_replicate:
+        raise ConfigError(
+            f"fault_tolerance.replica_id={replica}: the job has parallel.dp_replicate={dims.dp_replicate} replica "
+            f"groups; use 0..{dims.dp_replicate - 1}"
+        )
+    if not ft.get("store"):
+        raise ConfigError(
+            f"fault_tolerance.replica_id={replica}: every replica group's launch must meet in one store that "
+            "outlives them; start one with `lit-titan store --port PORT` and set fault_tolerance.store=HOST:PORT"
         )
 
 

@@ -5,43 +5,15 @@ when one dies. Launched per replica group (one torchrun agent per group, ``--max
 launcher restarts only its own group, which rejoins the others; its ranks are numbered inside the group
 (torchrun's ``RANK``/``WORLD_SIZE``), so the group comes from ``fault_tolerance.replica_id``, and the
 store every group meets in (``fault_tolerance.store``) is hosted by none of them (``lit-titan store``):
-a per-group agent's store ends with its group's agent. Free of torch: the config rules import it.
+a per-group agent's store ends with its group's agent. The config rule on these keys is
+``config/rules.py: replica_launch``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
 
 from lit_titan.errors import ConfigError
-
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
-
-    from lit_titan.strategies.parallel_dims import ParallelDims
-
-
-def replica_launch(cfg: DictConfig, args: Any, dims: ParallelDims) -> None:
-    """``fault_tolerance.replica_id`` names a group of this layout and comes with the store (config rule)."""
-    ft = cfg.get("fault_tolerance") or {}
-    replica = ft.get("replica_id")
-    if replica is None:
-        return
-    if not ft.get("enabled"):
-        raise ConfigError(
-            f"fault_tolerance.replica_id={replica}: launches one replica group of a fault-tolerant job; "
-            "set fault_tolerance.enabled=true, or drop fault_tolerance.replica_id"
-        )
-    if not 0 <= int(replica) < dims.dp_replicate:
-        raise ConfigError(
-            f"fault_tolerance.replica_id={replica}: the job has parallel.dp_replicate={dims.dp_replicate} replica "
-            f"groups; use 0..{dims.dp_replicate - 1}"
-        )
-    if not ft.get("store"):
-        raise ConfigError(
-            f"fault_tolerance.replica_id={replica}: every replica group's launch must meet in one store that "
-            "outlives them; start one with `lit-titan store --port PORT` and set fault_tolerance.store=HOST:PORT"
-        )
 
 
 def launch_world() -> int | None:
