@@ -2,7 +2,9 @@
 
 Override points (no need to copy ``training_step``):
 - ``build_model()``   -> the nn.Module to train (called on the meta device);
-- ``compute_loss()``  -> scalar loss from logits and labels;
+- ``split_batch()``   -> (inputs, labels) of a token batch; a label of -100 is ignored;
+- ``compute_loss()``  -> the mean over the valid targets, or one loss per target (see its docstring);
+- ``count_targets()`` -> how many targets a ``compute_loss`` mean covers (default: labels other than -100);
 - ``configure_optimizers()`` / ``build_optimizer()`` / ``build_scheduler()``.
 
 The module never parallelises anything itself: under ``TitanStrategy`` the strategy applies the
@@ -12,10 +14,7 @@ materialises the model on its device with the same seeded ``init_weights``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import asdict, fields
-from functools import partial
 from typing import Any
 
 import lightning as L
@@ -26,19 +25,14 @@ from torch import Tensor, nn
 from lit_titan.job.settings import LossConfig
 from lit_titan.models import registry
 from lit_titan.models.loss import at_least_fp32, resolve_chunk_tokens
-from lit_titan.models.moe import (
-    MoE,
-    count_step_tokens,
-    forget_step_counts,
-    take_injected_aux_loss,
-    update_expert_bias,
-)
+from lit_titan.models.moe import MoE, take_injected_aux_loss, update_expert_bias
 from lit_titan.observe.expert_load import expert_load_metrics
 from lit_titan.observe.log_cadence import forget_logged, is_logging_step
 from lit_titan.observe.phases import PhaseClock, phase
 from lit_titan.optim.build import OptimConfig, build_optimizer, build_scheduler
 from lit_titan.strategies.contract import ModuleContract, StrategyContract, contract
 from lit_titan.strategies.grad_norm import clip_grads_with_norm_, total_grad_norm
+from lit_titan.strategies.step import IGNORE_INDEX, count_valid
 
 
 class PretrainModule(L.LightningModule, ModuleContract):
@@ -74,9 +68,8 @@ class PretrainModule(L.LightningModule, ModuleContract):
         self.optim_config = optim
         self.seed = seed
         self.init_from_hf = init_from_hf
-        # Set: each training batch is this rank's whole optimizer step, which ``train_in_micro_batches`` trains in
-        # micro-batches of this many sequences, backward included (the job sets it where the model must see the
-        # whole step before its first backward: an MoE's ``aux_loss_counts=step``); None: Lightning accumulates.
+        # Under TitanStrategy each training batch is this rank's whole optimizer step, which its step runner trains
+        # in micro-batches of this many sequences (``data.micro_batch_size``; None: the data module's, else whole).
         self.step_micro_batch = step_micro_batch
         self._micro_batches_per_batch = 1
         self.model: nn.Module | None = None
@@ -92,13 +85,19 @@ class PretrainModule(L.LightningModule, ModuleContract):
         return registry.build_model(self.model_args)
 
     def compute_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """Next-token cross-entropy, mean over this micro-batch's tokens.
+        """Next-token cross-entropy: the mean over this micro-batch's valid targets (labels other than -100).
 
-        Packed data has no ignored labels, so every micro-batch holds the same number of tokens
-        and this mean, divided by Lightning over accumulation steps and averaged by FSDP over
-        data-parallel ranks, equals the sum over the global step's tokens divided by their count.
+        The contract of an override: return that mean (a scalar over the ``count_targets(labels)`` targets,
+        what ``F.cross_entropy`` gives by default), or one loss per target shaped like ``labels`` (zero where
+        ignored). The step runner (``strategies/step.py``) turns either into a sum and divides by the step's
+        valid targets over every rank and micro-batch, so the loss is one device's under every layout.
         """
         return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), labels.flatten(0, 1))
+
+    def count_targets(self, labels: Tensor) -> Tensor:
+        """How many targets a ``compute_loss`` mean covers (a device scalar): labels other than -100. Override
+        together with a ``compute_loss`` that masks by another rule."""
+        return count_valid(labels)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return build_optimizer(self.model, self.optim_config)
@@ -151,8 +150,18 @@ class PretrainModule(L.LightningModule, ModuleContract):
         return batch, {}
 
     def split_batch(self, batch: Tensor) -> tuple[Tensor, Tensor]:
-        """[b, seq_len + 1] token blocks -> (inputs, next-token labels)."""
+        """[b, seq_len + 1] token blocks -> (inputs, next-token labels); a label of -100 is ignored."""
         return batch[:, :-1], batch[:, 1:]
+
+    def inputs_and_labels(self, batch: Tensor | dict[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """(inputs, labels, the model's per-token inputs) of a batch by ``unpack_batch`` and ``split_batch``, with
+        the labels the data marks unpredictable ignored (``ignore``: an EOS's label under document masking)."""
+        tokens, extra = self.unpack_batch(batch)
+        inputs, labels = self.split_batch(tokens)
+        ignore = batch.get("ignore") if isinstance(batch, dict) else None
+        if ignore is not None:
+            labels = labels.masked_fill(ignore.to(device=labels.device, dtype=torch.bool), IGNORE_INDEX)
+        return inputs, labels, extra
 
     @property
     def loss_in_model(self) -> bool:
@@ -184,85 +193,25 @@ class PretrainModule(L.LightningModule, ModuleContract):
         return self.compute_loss(self(inputs, positions, **extra), labels)
 
     def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
-        # Under pipeline parallelism the strategy runs the schedule instead of this method, with
-        # the same unpack_batch / split_batch / model_loss / record_train_loss.
-        batch, extra = self.unpack_batch(batch)
-        inputs, labels = self.split_batch(batch)
-        if self.step_micro_batch:
-            return self.train_in_micro_batches(inputs, labels, extra)
+        """One micro-batch under a strategy that is not lit-titan's (Lightning accumulates); under
+        ``TitanStrategy`` the step runner trains the whole step with the same override points."""
+        inputs, labels, extra = self.inputs_and_labels(batch)
         loss = self.model_loss(inputs, labels, **extra)
         self.record_train_loss(loss, inputs)
         return loss
 
-    def train_in_micro_batches(
-        self,
-        inputs: Tensor,
-        labels: Tensor,
-        extra: dict[str, Tensor],
-        whole_inputs: Tensor | None = None,
-        forward_backward: Callable[[Tensor, Tensor, dict[str, Tensor], int], Tensor] | None = None,
-        forward_only: Callable[[Tensor, Tensor, dict[str, Tensor]], object] | None = None,
-    ) -> Tensor:
-        """This rank's whole optimizer step (``inputs`` [local batch, s]) in micro-batches of ``step_micro_batch``
-        sequences, each with its backward; the step's mean loss, detached (Lightning's own backward is skipped).
-
-        Why not Lightning's accumulation: it hands training_step one micro-batch at a time, too late for what must
-        see the whole step before the first backward: an MoE's global-batch auxiliary loss with
-        ``aux_loss_counts=step`` counts the step's tokens per expert first (``count_step_tokens``, a forward
-        without autograd over the micro-batches). Backward and the gradient sync between micro-batches are as
-        Lightning's accumulation makes them (each loss divided by the micro-batches, ``block_backward_sync``).
-        ``whole_inputs``: the sequences ``inputs`` are this rank's slice of (context parallel), for the token count.
-        ``forward_backward(x, y, kw, micro_batches)`` (a micro-batch's loss, its backward run) and ``forward_only``
-        replace the model's own where the strategy runs them (the pipeline schedule's step and eval)."""
-        from lightning.pytorch.strategies import ParallelStrategy
-
-        n = self.step_micro_batch
-        parts = [
-            (inputs[i : i + n], labels[i : i + n], {k: v[i : i + n] for k, v in extra.items()})
-            for i in range(0, inputs.shape[0], n)
-        ]
-        self._micro_batches_per_batch = len(parts)
-        for optimizer in self.trainer.optimizers:
-            optimizer.zero_grad()
-        strategy = self.trainer.strategy
-        forward_backward = forward_backward or self._forward_backward
-        forward_only = forward_only or (lambda x, y, kw: self.model_loss(x, y, **kw))
-        count_step_tokens(
-            self.model, [partial(forward_only, x, y, kw) for x, y, kw in parts], self.strategy_contract.batch_group
-        )
-        try:
-            for j, (x, y, kw) in enumerate(parts):
-                last = j == len(parts) - 1
-                with (
-                    nullcontext()
-                    if last or not isinstance(strategy, ParallelStrategy)
-                    else strategy.block_backward_sync()
-                ):
-                    loss = forward_backward(x, y, kw, len(parts))
-                    self.record_train_loss(loss, x if whole_inputs is None else whole_inputs[j * n : (j + 1) * n])
-        finally:
-            forget_step_counts(self.model)
-        return self.step_mean_loss
-
-    def _forward_backward(self, x: Tensor, y: Tensor, kw: dict[str, Tensor], micro_batches: int) -> Tensor:
-        loss = self.model_loss(x, y, **kw)
-        (loss / micro_batches).backward()
-        return loss
-
-    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        """Lightning's backward of the returned loss; none after ``train_in_micro_batches`` (it ran each one's)."""
-        if not self.step_micro_batch:
-            super().backward(loss, *args, **kwargs)
-
     def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
-        batch, extra = self.unpack_batch(batch)
-        inputs, labels = self.split_batch(batch)
+        inputs, labels, extra = self.inputs_and_labels(batch)
         loss = self.model_loss(inputs, labels, **extra)
         self.record_val_loss(loss)
         return loss
 
     def record_train_loss(self, loss: Tensor, inputs: Tensor) -> None:
-        """Accumulate a micro-batch's loss; logged once per optimizer step."""
+        """Accumulate a micro-batch's loss; their mean (over micro-batches and ranks) is logged once per step.
+
+        Under TitanStrategy ``loss`` is the micro-batch's share of the step's normalised loss times the
+        micro-batches, so the mean is the step's loss: the plain mean when every micro-batch holds as many
+        valid targets."""
         # Starts from the first micro-batch's loss, on its device: no host-made zero to copy over.
         loss = _plain(loss.detach()).float()
         self._step_loss = loss if self._micro_batches == 0 else self._step_loss + loss
@@ -350,11 +299,10 @@ class PretrainModule(L.LightningModule, ModuleContract):
         update_expert_bias(self.model, self.strategy_contract.batch_group)
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
-        # Lightning zeroes gradients between training_step and backward; under pipeline
-        # parallelism the schedule runs backward inside training_step, so the strategy zeroes
-        # them itself before the schedule, at the start of each accumulation window.
-        if self.strategy_contract.backward_in_training_step or self.step_micro_batch:
-            return  # zeroed before the step's first backward, inside training_step
+        # Lightning zeroes gradients between training_step and backward; under TitanStrategy the step
+        # runner runs every backward inside training_step and zeroes them itself first.
+        if self.strategy_contract.runs_steps:
+            return  # zeroed by the step runner before the step's first backward, inside training_step
         optimizer.zero_grad()
 
     def configure_gradient_clipping(

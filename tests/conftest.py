@@ -82,6 +82,15 @@ def parity_reference(worlds, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def masked_reference(worlds, tmp_path_factory):
+    """The one-process run of tests/support/user_modules.py's MaskedLabels (labels ignored unequally): the user-loss
+    parity cases (tests/parity/test_user_loss.py) and the masked replica-fault case compare with it."""
+    from parity import run_user_case
+
+    return run_user_case(worlds, "MaskedLabels", ["cluster.devices=1"], tmp_path_factory.mktemp("masked-reference"))
+
+
+@pytest.fixture(scope="session")
 def moe_parity_reference(worlds, tmp_path_factory):
     """The one-process run of tests/support/moe_parity.py's tiny Qwen3-MoE: the MoE parity cases and mutants
     compare with it."""

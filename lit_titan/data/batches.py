@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from lit_titan.data.documents import document_ids, document_positions
+from lit_titan.data.documents import crossing_labels, document_ids, document_positions
 from lit_titan.data.mixture import Blend
 from lit_titan.data.order import SourceOrder
 from lit_titan.data.shards import ShardSplit
@@ -140,10 +140,12 @@ class RankMicroBatches(Dataset):
         release_margin_steps: int = 2,
         positions_eos_id: int | None = None,
         documents_eos_id: int | None = None,
+        ignore_eos_id: int | None = None,
     ) -> None:
         self.batches = batches
         self.positions_eos_id = positions_eos_id
         self.documents_eos_id = documents_eos_id
+        self.ignore_eos_id = ignore_eos_id
         self.dp_rank, self.dp_size, self.micro = dp_rank, dp_size, micro_batch_size
         self.per_rank = batches.global_batch // dp_size
         self.accumulation = self.per_rank // micro_batch_size
@@ -166,6 +168,8 @@ class RankMicroBatches(Dataset):
             out["positions"] = torch.from_numpy(document_positions(tokens, self.positions_eos_id))
         if self.documents_eos_id is not None:  # data.document_masking
             out["documents"] = torch.from_numpy(document_ids(tokens, self.documents_eos_id))
+        if self.ignore_eos_id is not None:  # the labels that cross into the next document: ignored by the loss
+            out["ignore"] = torch.from_numpy(crossing_labels(tokens, self.ignore_eos_id))
         return out
 
 

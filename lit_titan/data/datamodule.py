@@ -83,6 +83,7 @@ class PretrainDataModule(L.LightningDataModule):
         self.shuffle_window = s.shuffle_window
         self.document_positions = bool(s.document_positions)
         self.document_masking = bool(s.document_masking)
+        self.cross_document_labels = bool(s.cross_document_labels)
         self._source_specs = [_plain(src) for src in s.sources] if s.sources else None
         if tokenizer is None or isinstance(tokenizer, Mapping):
             self._tok_cfg: dict[str, Any] = _plain(s.tokenizer)
@@ -171,11 +172,27 @@ class PretrainDataModule(L.LightningDataModule):
         """
         if self._whole_global_batch():
             return BatchLayout(self.global_batch_size, self.global_batch_size, 1, 1)
-        return BatchLayout.derive(self.global_batch_size, self._micro_batch_size, dp_size)
+        layout = BatchLayout.derive(self.global_batch_size, self._micro_batch_size, dp_size)
+        if self._whole_steps():  # the strategy's step runner splits each rank's step into the micro-batches
+            return BatchLayout.derive(self.global_batch_size, None, dp_size)
+        return layout
+
+    def _strategy(self) -> Any:
+        return self.trainer.strategy if self.trainer is not None else None
 
     def _whole_global_batch(self) -> bool:
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        return getattr(strategy, "replica_step", None) is not None
+        return getattr(self._strategy(), "replica_step", None) is not None
+
+    def _whole_steps(self) -> bool:
+        return bool(getattr(self._strategy(), "runs_steps", False))
+
+    @property
+    def step_micro_batch_size(self) -> int | None:
+        """Sequences per micro-batch within a rank's step (``data.micro_batch_size``), for a strategy that
+        trains whole steps; None when not set (one micro-batch per step)."""
+        if self._micro_batch_size is None:
+            return None
+        return BatchLayout.derive(self.global_batch_size, self._micro_batch_size, self.data_parallel_coords()[1]).micro
 
     def ft_micro_batch_size(self, dp_size: int) -> int:
         """The micro-batch a fault-tolerant rank trains its assigned samples in (``data.micro_batch_size``)."""
@@ -367,6 +384,7 @@ class PretrainDataModule(L.LightningDataModule):
             release_margin_steps=2 + (2 * self.num_workers) // max(1, self._accumulation()),
             positions_eos_id=self._eos_id(),
             documents_eos_id=self._documents_eos_id(),
+            ignore_eos_id=self._ignore_eos_id(),
         )
         # One Lightning epoch: the whole run when it is bounded by max_steps, else one pass over the data.
         max_steps = getattr(self.trainer, "max_steps", -1) if self.trainer is not None else -1
@@ -378,6 +396,10 @@ class PretrainDataModule(L.LightningDataModule):
 
     def _eos_id(self) -> int | None:
         return self.train_splits[0].eos_id if self.document_positions else None
+
+    def _ignore_eos_id(self) -> int | None:
+        masked = self.document_masking and not self.cross_document_labels
+        return self.train_splits[0].eos_id if masked else None
 
     def _documents_eos_id(self) -> int | None:
         return self.train_splits[0].eos_id if self.document_masking else None
@@ -408,6 +430,7 @@ class PretrainDataModule(L.LightningDataModule):
             micro_batch_size=self._micro,
             positions_eos_id=self._eos_id(),
             documents_eos_id=self._documents_eos_id(),
+            ignore_eos_id=self._ignore_eos_id(),
         )
         return self._loader(dataset, FixedSampler(range(steps)))
 

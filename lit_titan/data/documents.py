@@ -22,6 +22,13 @@ def document_ids(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     return np.cumsum(starts, axis=1)
 
 
+def crossing_labels(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """``[m, s+1]`` tokens -> ``[m, s]``: True where an input is an EOS, whose label is the next document's first
+    token. Under block-causal attention nothing that token sees predicts it, so the loss ignores it
+    (``data.cross_document_labels=false``, the default with ``data.document_masking``)."""
+    return np.asarray(tokens)[:, :-1] == eos_id
+
+
 def document_positions(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     """``[m, s+1]`` tokens -> ``[m, s]`` positions of the inputs ``tokens[:, :-1]``.
 

@@ -50,6 +50,7 @@ class DataConfig:
     chunk_tokens: int = setting(1 << 16, ge=1)
     document_positions: bool = setting(False)
     document_masking: bool = setting(False)
+    cross_document_labels: bool = setting(False)
     storage_options: dict[str, Any] | None = setting(None)
     val_fraction: float = setting(0.02, ge=0, lt=1)
     data_dir: str = setting("data_cache", check=non_empty_str)

@@ -171,41 +171,35 @@ class ReplicaStep:
             handover=self.data_shards * self.micro if self.pipeline is not None else None,
         )
 
-    def run(self, module: Any, batch: Any, optimizers: list[torch.optim.Optimizer]) -> Tensor:
-        """Train this rank's samples of the global ``batch``, sum over the replicas; the step's mean loss."""
+    def run(self, module: Any, batch: Any, runner: Any) -> Tensor:
+        """Train this rank's samples of the global ``batch``, sum over the replicas; the step's mean loss.
+
+        Each micro-batch is trained by the step runner (``runner.train_part``) with this protocol's factors: its
+        valid targets' losses times ``global batch / global valid targets`` (every rank holds the whole batch, so
+        the count needs no collective), its auxiliary loss times its sequences; ``ReplicaGroups.reduce`` divides
+        by the global batch, which leaves the sum over the global valid targets divided by their count."""
         assert self.groups is not None, "ReplicaStep.start runs at on_train_start"
-        tokens, extra = module.unpack_batch(batch)
-        for optimizer in optimizers:
-            optimizer.zero_grad()
+        whole_inputs, whole_labels, extra = module.inputs_and_labels(batch)
+        device = whole_inputs.device
+        factor = torch.as_tensor(
+            float(self.groups.global_batch), dtype=torch.float64, device=device
+        ) / module.count_targets(whole_labels).to(torch.float64)
 
         def train(samples: list[int]) -> Tensor:
-            """Gradients of the sum of per-sequence losses over ``samples``, micro-batch by micro-batch.
+            """Gradients of this rank's weighted loss sum over ``samples``, micro-batch by micro-batch.
 
             Under pipeline parallelism the loss sum lives on the last stage (zero on the others): the
             replica's sum over its ranks (``ReplicaGroups.reduce``) is the same either way.
             """
-            total = torch.zeros((), device=tokens.device)
+            total = torch.zeros((), device=device)
             for i in range(0, len(samples), self.micro):
                 rows = samples[i : i + self.micro]
-                inputs, labels = module.split_batch(tokens[rows])
+                inputs, labels = whole_inputs[rows], whole_labels[rows]
                 kwargs = {k: v[rows] for k, v in extra.items()}
-                if self.pipeline is not None:
-                    # each of the schedule's micro-batches back-propagates its mean loss x its sequences
-                    loss = self.pipeline.train_step(
-                        inputs,
-                        labels,
-                        module.compute_loss,
-                        accumulation=1,
-                        sum_over_stages=False,
-                        loss_in_model=module.loss_in_model,
-                        model_kwargs=kwargs,
-                        scale=len(rows) / self.pipeline.microbatches,
-                    )
-                    total = total + loss.detach().float() * len(rows)
-                    continue
-                loss = module.model_loss(inputs, labels, **kwargs) * len(rows)
-                loss.backward()
-                total = total + loss.detach().float()
+                loss = runner.train_part(
+                    module, inputs, labels, kwargs, factor, float(len(rows)), sum_over_stages=False
+                )
+                total = total + loss
             return total
 
         loss_sum = train(self.groups.begin_step(module.global_step))
@@ -217,7 +211,7 @@ class ReplicaStep:
             except ReplicaLost:
                 loss_sum = loss_sum + train(self.groups.recover())
                 grads = [p.grad for p in module.model.parameters() if p.grad is not None]
-        module.record_train_loss(loss, module.split_batch(tokens)[0])
+        module.record_train_loss(loss, whole_inputs)
         return loss
 
     @property

@@ -34,7 +34,6 @@ __all__ = [
     "build_strategy",
     "instantiate",
     "settings_group",
-    "step_micro_batch",
     "tensorboard_dir",
     "trainer_arguments",
 ]
@@ -124,8 +123,6 @@ def trainer_arguments(cfg: DictConfig, spec: JobSpec) -> dict[str, Any]:
     """Lightning ``Trainer``'s arguments from the ``trainer`` group (``TrainerConfig``: Trainer arguments by
     their own names, passed on as they are), the cluster's devices and the spec's precision and accumulation."""
     trainer, cluster = settings_group(cfg, "trainer", TrainerConfig), settings_group(cfg, "cluster", ClusterConfig)
-    # fault tolerance, and a module training each step's micro-batches itself: one Lightning batch per step
-    whole_batches = settings_group(cfg, "fault_tolerance", FaultToleranceConfig).enabled or bool(step_micro_batch(spec))
     return {
         **asdict(trainer),
         "val_check_interval": trainer.val_check_interval if trainer.limit_val_batches else None,
@@ -133,19 +130,9 @@ def trainer_arguments(cfg: DictConfig, spec: JobSpec) -> dict[str, Any]:
         "devices": cluster.devices,
         "num_nodes": cluster.num_nodes,
         "precision": spec.precision,
-        "accumulate_grad_batches": 1 if whole_batches else spec.batch.accumulation,
+        # one Lightning batch is a rank's whole step: TitanStrategy's step runner makes the micro-batches
+        "accumulate_grad_batches": 1,
     }
-
-
-def step_micro_batch(spec: JobSpec) -> int | None:
-    """The micro-batch where the module trains each rank's whole step itself (``PretrainModule.step_micro_batch``:
-    one Lightning batch per step, its micro-batches inside training_step), because the model must see the step's
-    every micro-batch before the first backward: an MoE's ``model.moe.aux_loss_counts=step`` under gradient
-    accumulation. None: Lightning accumulates (nothing to see first, or one micro-batch per step)."""
-    moe = getattr(spec.model, "moe", None)
-    if moe is None or not moe.counts_whole_step or spec.batch.accumulation == 1:
-        return None
-    return spec.batch.micro
 
 
 def tensorboard_dir(cfg: DictConfig) -> str | None:
@@ -158,10 +145,8 @@ def tensorboard_dir(cfg: DictConfig) -> str | None:
 def build_datamodule(cfg: DictConfig, spec: JobSpec) -> Any:
     """The ``data`` node's data module (``_target_``), its data_dir with ``~`` expanded; it checks the
     global batch against its data-parallel size with the same ``BatchLayout`` the spec holds."""
-    whole_step = {"micro_batch_size": None} if step_micro_batch(spec) else {}  # the rank's whole step per batch
     return instantiate(
         cfg.data,
-        **whole_step,
         data_dir=os.path.expanduser(str(cfg.data.data_dir)),
         model_vocab_size=spec.model.vocab_size,
         _convert_="all",
@@ -169,8 +154,8 @@ def build_datamodule(cfg: DictConfig, spec: JobSpec) -> Any:
 
 
 def build_module(cfg: DictConfig, spec: JobSpec | None = None) -> Any:
-    """The PretrainModule of the ``model``, ``optim``, ``loss`` and ``seed`` keys (and ``spec``'s micro-batch where
-    it trains each step's micro-batches itself: ``step_micro_batch``)."""
+    """The PretrainModule of the ``model``, ``optim``, ``loss`` and ``seed`` keys, with ``spec``'s micro-batch (the
+    step runner's)."""
     from lit_titan.config.spec import model_overrides
     from lit_titan.module import PretrainModule
 
@@ -181,7 +166,7 @@ def build_module(cfg: DictConfig, spec: JobSpec | None = None) -> Any:
         seed=int(cfg.seed),
         init_from_hf=cfg.model.get("init_from_hf"),
         loss_chunk_tokens=settings_group(cfg, "loss", LossConfig).chunk_tokens,
-        step_micro_batch=step_micro_batch(spec) if spec is not None else None,
+        step_micro_batch=spec.batch.micro if spec is not None else None,
     )
 
 

@@ -50,7 +50,8 @@ def _chunk_nll_sum(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int) -> Tensor:
-    """Mean next-token NLL of ``hidden @ weight.T`` against ``labels``, one chunk of tokens at a time.
+    """Mean next-token NLL of ``hidden @ weight.T`` over the valid ``labels`` (not -100, as ``F.cross_entropy``),
+    one chunk of tokens at a time (zero when none is valid).
 
     hidden [..., dim] (the final norm's output), weight [vocab, dim], labels [...] (same leading
     shape). Equal to ``F.cross_entropy(at_least_fp32(F.linear(hidden, weight)).flatten(0, -2), labels.flatten())``
@@ -66,7 +67,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_
         # its logits in backward. It composes with DTensor and torch.compile (unlike reentrant).
         part = checkpoint(_chunk_nll_sum, h[start:stop], weight, y[start:stop], use_reentrant=False)
         total = part if total is None else total + part
-    return total / n
+    return total / (y != -100).sum().clamp(min=1).to(total.dtype)
 
 
 __all__ = ["AUTO_CHUNK_TOKENS", "AUTO_MIN_VOCAB", "at_least_fp32", "chunked_cross_entropy", "resolve_chunk_tokens"]

@@ -490,6 +490,16 @@ def take_injected_aux_loss(model: nn.Module, device: torch.device) -> Tensor:
     return total
 
 
+def take_aux_term(model: nn.Module) -> Tensor | None:
+    """The auxiliary loss the model's last forward added to its returned loss (live), once; None without one.
+
+    Why apart: the loss is normalised per valid target, the auxiliary loss per micro-batch."""
+    term = getattr(model, "last_aux_term", None)
+    if term is not None:
+        model.last_aux_term = None
+    return term
+
+
 @torch.no_grad()
 def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """DeepSeek-V3's aux-loss-free step: bias += rate * sign(mean count - count), then reset the counts.

@@ -72,7 +72,13 @@ class StrategyContract(Protocol):
 
     @property
     def backward_in_training_step(self) -> bool:
-        """True under pipeline parallelism: the schedule runs backward inside training_step."""
+        """True under pipeline parallelism and fault tolerance: forward and backward are one phase to time."""
+        ...
+
+    @property
+    def runs_steps(self) -> bool:
+        """True when each Lightning batch is a rank's whole step, trained (backward included) by the strategy's
+        step runner in training_step: nothing else zeroes gradients or runs backward."""
         ...
 
     @property
@@ -106,6 +112,7 @@ class PlainStrategy:
     pp_group = None
     cp_group = None
     backward_in_training_step = False
+    runs_steps = False
     mesh = None
     runs_transforms = False
 
@@ -174,8 +181,8 @@ class ModuleContract:
     seed: int
     # The step-phase clock the Timeline callback attaches while training (None: no timeline runs).
     phase_clock: PhaseClock | None
-    # Set: each training batch is the rank's whole optimizer step, trained in micro-batches of this many sequences
-    # inside training_step (``PretrainModule.train_in_micro_batches``, backward included); None: Lightning accumulates.
+    # Sequences per micro-batch of the step runner (``strategies/step.py``), which trains each rank's whole step
+    # per training batch; None: the data module's micro-batch, else the whole batch.
     step_micro_batch: int | None
 
     @property

@@ -183,12 +183,12 @@ class PipelineRunner:
         self.pp_group = pp_group
         self.microbatches = cfg.microbatches_for(dist.get_world_size(pp_group))
         self._loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None
-        self._scale = 1.0
+        self._weigh: Callable[[Tensor, Tensor], Tensor] = _unweighted
         self.schedule_name = cfg.schedule
         cls = get_schedule_class(cfg.schedule)
         single = issubclass(cls, PipelineScheduleSingle)
-        # scale_grads=False: accumulation spans several schedule steps, so the scale goes into
-        # the loss instead of being applied to the (accumulated) gradients after each step.
+        # scale_grads=False: the step runner's normaliser weighs each micro-batch's loss (its share of the
+        # step's valid targets), instead of a mean over the schedule's micro-batches after each step.
         self.schedule = cls(
             self.stages[0] if single else self.stages,
             n_microbatches=self.microbatches,
@@ -200,14 +200,13 @@ class PipelineRunner:
         )
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return self._loss_fn(output, target) * self._scale
+        return self._weigh(self._loss_fn(output, target), target)
 
-    def _mean_loss(self, losses: list[Tensor], sum_over_stages: bool = True) -> Tensor:
-        """Mean unscaled micro-batch loss of the last stage; the same on every pipeline rank when
+    def _loss_sum(self, losses: list[Tensor], sum_over_stages: bool = True) -> Tensor:
+        """The sum of the last stage's weighted micro-batch losses; the same on every pipeline rank when
         ``sum_over_stages`` (an all-reduce over the pp group), else zero off the last stage."""
         if self.has_last and losses:
-            total = torch.stack([_plain(loss.detach()).float() for loss in losses]).sum()
-            loss = total / (self._scale * len(losses))
+            loss = torch.stack([_plain(loss.detach()).float() for loss in losses]).sum()
         else:
             # made on the device: a host-made zero would be a blocking copy to the GPU per micro-batch
             loss = torch.zeros((), dtype=torch.float32, device=self.stages[0].device)
@@ -229,35 +228,34 @@ class PipelineRunner:
         inputs: Tensor,
         labels: Tensor,
         loss_fn: Callable[[Tensor, Tensor], Tensor],
-        accumulation: int,
+        weigh: Callable[[Tensor, Tensor], Tensor],
+        aux_scale: float,
         sum_over_stages: bool = True,
         loss_in_model: bool = False,
         model_kwargs: dict[str, Tensor] | None = None,
-        scale: float | None = None,
     ) -> Tensor:
-        """Forward and backward of one (Lightning) micro-batch through the pipeline.
+        """Forward and backward of one micro-batch of the step runner through the pipeline; the sum of its
+        schedule micro-batches' weighted losses (``strategies/step.py``).
 
+        ``weigh(loss, target)``: a schedule micro-batch's loss as its part of the step's normalised loss (the
+        step runner's global valid-target normaliser). ``aux_scale``: the weight of the loss terms a stage's
+        layers make themselves (an MoE layer's auxiliary loss, per schedule micro-batch).
         ``sum_over_stages=False`` skips the loss all-reduce over the pp group (steps that do not log).
         ``loss_in_model``: the last stage's head computes the (chunked) loss from the labels, which
         the schedule passes to every stage as a keyword argument (split into micro-batches like
         the inputs; stages without the head ignore it), so its output is already the loss.
         ``model_kwargs`` (per-token ``positions`` / ``documents``, [b, s]) reach every stage the
         same way: each stage's blocks need them for rotary embeddings and the attention mask.
-        ``scale``: each pipeline micro-batch's loss scale, instead of ``1 / (micro-batches x
-        accumulation)`` (replica-group fault tolerance back-propagates sums of per-sequence losses).
         """
         self.check_batch(inputs.shape[0])
-        self._loss_fn, self._scale = (
-            (_identity_loss if loss_in_model else loss_fn),
-            1.0 / (self.microbatches * accumulation) if scale is None else scale,
-        )
+        self._loss_fn, self._weigh = (_identity_loss if loss_in_model else loss_fn), weigh
         losses: list[Tensor] = []
         kwargs = {**(model_kwargs or {}), **({"labels": labels} if loss_in_model else {})}
         # Loss terms made inside a stage (an MoE layer's auxiliary loss) cannot reach the last stage's loss:
-        # their layers back-propagate them with the scale the returned loss gets (models/injected_loss.py).
-        with losses_in_backward(self._scale):
+        # their layers back-propagate them with this scale (models/injected_loss.py).
+        with losses_in_backward(aux_scale):
             self.schedule.step(inputs, target=labels, losses=losses, **kwargs, **self._step_kwargs)
-        return self._mean_loss(losses, sum_over_stages)
+        return self._loss_sum(losses, sum_over_stages)
 
     @torch.no_grad()
     def eval_step(
@@ -267,7 +265,10 @@ class PipelineRunner:
         loss_fn: Callable[[Tensor, Tensor], Tensor],
         loss_in_model: bool = False,
         model_kwargs: dict[str, Tensor] | None = None,
+        weigh: Callable[[Tensor, Tensor], Tensor] | None = None,
     ) -> Tensor:
+        """The schedule's forward of one micro-batch without gradients: the sum of its schedule micro-batches'
+        losses, each weighted by ``weigh`` (default: the mean over them), on every pipeline rank."""
         if self.schedule_name in V_SHAPED:
             raise RuntimeError(
                 f"validation under {self.schedule_name} fails in torch's schedule eval (\"can't "
@@ -280,13 +281,18 @@ class PipelineRunner:
                 f" set trainer.limit_val_batches=0"
             )
         self.check_batch(inputs.shape[0])
-        self._loss_fn, self._scale = (_identity_loss if loss_in_model else loss_fn), 1.0
+        self._loss_fn = _identity_loss if loss_in_model else loss_fn
+        self._weigh = weigh or (lambda loss, target: loss / self.microbatches)
         losses: list[Tensor] = []
         kwargs = {**(model_kwargs or {}), **({"labels": labels} if loss_in_model else {})}
         # return_outputs=False (as in train_step): the last stage's outputs are its losses when the head makes the
         # loss, which torch cannot merge (0-d tensors)
         self.schedule.eval(inputs, target=labels, losses=losses, **kwargs, **self._step_kwargs)
-        return self._mean_loss(losses)
+        return self._loss_sum(losses)
+
+
+def _unweighted(loss: Tensor, target: Tensor) -> Tensor:
+    return loss
 
 
 def _identity_loss(output: Tensor, target: Tensor) -> Tensor:

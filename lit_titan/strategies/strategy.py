@@ -31,10 +31,10 @@ from torch import Tensor, nn
 from lit_titan.checkpoint import CheckpointWriter, load_sharded
 from lit_titan.fault_tolerance.settings import FaultToleranceConfig
 from lit_titan.models.registry import spec_of_model
-from lit_titan.observe.log_cadence import amortise_sigterm_check, is_logging_step
+from lit_titan.observe.log_cadence import amortise_sigterm_check
 from lit_titan.observe.phases import phase
 from lit_titan.strategies.context_parallel import ContextParallel
-from lit_titan.strategies.contract import SequenceData, module_contract
+from lit_titan.strategies.contract import ModuleContract, SequenceData, module_contract
 from lit_titan.strategies.elastic import init_process_group as init_elastic_process_group
 from lit_titan.strategies.elastic import under_torchelastic
 from lit_titan.strategies.expert_parallel import apply_expert_parallel, moe_layers
@@ -58,6 +58,7 @@ from lit_titan.strategies.pipeline import (
 )
 from lit_titan.strategies.precision import float32_matmul_precision
 from lit_titan.strategies.settings import GRAD_REDUCE_SCATTER, ParallelConfig
+from lit_titan.strategies.step import StepRunner
 from lit_titan.strategies.tensor_parallel import StyleRewrite, apply_tensor_parallel
 
 # Slots, in application order, where callbacks (Float8, activation checkpointing, compile) plug
@@ -73,6 +74,8 @@ class TitanStrategy(ModelParallelStrategy):
     owns_parallelization = True
     # Callbacks register transforms here (register_transform); the strategy applies them in order.
     runs_transforms = True
+    # Each Lightning batch is a rank's whole optimizer step, trained by the step runner (strategies/step.py).
+    runs_steps = True
     strategy_name = "titan"
 
     def __init__(
@@ -149,6 +152,10 @@ class TitanStrategy(ModelParallelStrategy):
         self.fault_tolerance = fault_tolerance or FaultToleranceConfig()
         self.replica_step: Any = None
         self.job_dims: ParallelDims | None = None  # the whole job's degrees (resolve_dims under fault tolerance)
+        # The only owner of an optimizer step; Lightning's accumulate_grad_batches, when a user sets it, becomes
+        # its micro-batch count (setup_environment takes it over).
+        self.step_runner = StepRunner(self)
+        self.absorbed_accumulation = 1
 
     # ---- layout ---------------------------------------------------------------------------------
     def resolve_dims(self) -> ParallelDims:
@@ -288,6 +295,7 @@ class TitanStrategy(ModelParallelStrategy):
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
+        self._absorb_accumulation()
         # Validate before the process group and mesh exist: a bad layout fails in seconds.
         self.parallel_dims = self.resolve_dims()
         self._set_matmul_precision()
@@ -305,6 +313,14 @@ class TitanStrategy(ModelParallelStrategy):
         self.init_layout(self.parallel_dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _absorb_accumulation(self) -> None:
+        """Lightning must hand over whole steps: ``Trainer(accumulate_grad_batches=N)`` becomes the step runner's
+        N micro-batches per batch (the same gradient, the rank's batch then holds the whole step)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and int(trainer.accumulate_grad_batches) > 1:
+            self.absorbed_accumulation = int(trainer.accumulate_grad_batches)
+            trainer.accumulate_grad_batches = 1
 
     def _set_matmul_precision(self) -> None:
         """TF32 matmuls for 32-true on CUDA (``strategies/precision.py``); undone at teardown."""
@@ -375,6 +391,9 @@ class TitanStrategy(ModelParallelStrategy):
             )
         precision = self.precision_plugin.precision
         mixed_precision_for(precision)  # refuse unsupported flags before any work
+        # A compute_loss of the user's own sees whole logits: torch's loss parallel covers plain cross-entropy
+        # only (label smoothing, z-loss or a mask would meet vocabulary-sharded DTensors and fail or be wrong).
+        self.loss_parallel = self.parallel.loss_parallel and not _own_loss(self.lightning_module)
         model, self._views = self.parallelize(model, precision)
         module.model = model  # under PP: this rank's stages only, original parameter names
         self.materialize(model, seed=module.seed)
@@ -539,8 +558,8 @@ class TitanStrategy(ModelParallelStrategy):
 
     @property
     def backward_in_training_step(self) -> bool:
-        """True under PP (the schedule runs backward) and fault tolerance (``ReplicaStep`` does); this
-        strategy then zeroes gradients."""
+        """True under PP and fault tolerance, whose step has no forward of its own to time apart from its
+        backward (the Timeline times them as one phase). Every step runs its backward in training_step."""
         return self.pipeline is not None or self.replica_step is not None
 
     def _loss_context(self):
@@ -551,69 +570,18 @@ class TitanStrategy(ModelParallelStrategy):
         return nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.replica_step is not None:
-            return self.replica_step.run(self.lightning_module, args[0], self.optimizers)
-        with self._loss_context():
-            if self.pipeline is None and self.context_parallel is None:
-                return super().training_step(*args, **kwargs)
-            # Under PP (the schedule owns forward and backward) and CP (each rank sees a slice of
-            # the sequence) the strategy runs the step, with the module's split_batch,
-            # compute_loss and record_train_loss: subclasses customise those, not training_step.
-            module = self.lightning_module
-            tokens, extra = module.unpack_batch(args[0])
-            inputs, labels = module.split_batch(tokens)
-            local_inputs, local_labels = self._shard_sequence(inputs, labels, extra)
-            if module.step_micro_batch:  # the rank's whole step, its micro-batches trained by the module
-                return module.train_in_micro_batches(local_inputs, local_labels, extra, inputs, *self._pipeline_steps())
-            if self.pipeline is not None:
-                accumulation = module.trainer.accumulate_grad_batches
-                if args[1] % accumulation == 0:  # first micro-batch of an optimizer step
-                    for optimizer in self.optimizers:
-                        optimizer.zero_grad()
-                # The loss lives on the last stage; summing it over the pp group (for the log) is a
-                # collective, so only on logging steps. Other steps return this stage's loss (zero
-                # off the last stage), which nothing but the logger reads.
-                loss = self.pipeline.train_step(
-                    local_inputs,
-                    local_labels,
-                    module.compute_loss,
-                    accumulation=accumulation,
-                    loss_in_model=module.loss_in_model,
-                    sum_over_stages=is_logging_step(module.trainer, module.global_step + 1),
-                    model_kwargs=extra,
-                )
-            else:
-                loss = module.model_loss(local_inputs, local_labels, **extra)
-            module.record_train_loss(loss, inputs)
-            return loss
-
-    def _pipeline_steps(self) -> tuple[Callable[..., Tensor], Callable[..., Tensor]] | tuple[()]:
-        """The pipeline schedule's step and eval as ``train_in_micro_batches``' micro-step and counting forward."""
-        if self.pipeline is None:
-            return ()
-        module, run = self.lightning_module, self.pipeline
-        logging = is_logging_step(module.trainer, module.global_step + 1)
-        options = {"loss_fn": module.compute_loss, "loss_in_model": module.loss_in_model}
-        return (
-            lambda x, y, kw, n: run.train_step(
-                x, y, **options, accumulation=n, sum_over_stages=logging, model_kwargs=kw
-            ),
-            lambda x, y, kw: run.eval_step(x, y, **options, model_kwargs=kw),
-        )
+        """The rank's whole optimizer step, by the step runner: the module's ``split_batch``, ``compute_loss``
+        and ``record_train_loss`` under every layout (subclasses customise those, not ``training_step``)."""
+        module = self.lightning_module
+        _refuse_own_step(module, "training_step")
+        with self.precision_plugin.train_step_context(), self._loss_context():
+            return self.step_runner.train(module, args[0])
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
-            if self.pipeline is None and self.context_parallel is None:
-                return super().validation_step(*args, **kwargs)
-            module = self.lightning_module
-            tokens, extra = module.unpack_batch(args[0])
-            inputs, labels = self._shard_sequence(*module.split_batch(tokens), extra)
-            if self.pipeline is not None:
-                loss = self.pipeline.eval_step(
-                    inputs, labels, module.compute_loss, loss_in_model=module.loss_in_model, model_kwargs=extra
-                )
-            else:
-                loss = module.model_loss(inputs, labels, **extra)
+        module = self.lightning_module
+        _refuse_own_step(module, "validation_step")
+        with self.precision_plugin.val_step_context(), self._loss_context():
+            loss = self.step_runner.evaluate(module, args[0])
             module.record_val_loss(loss)
             return loss
 
@@ -628,11 +596,9 @@ class TitanStrategy(ModelParallelStrategy):
         return local_inputs, local_labels
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.backward_in_training_step:
-            return closure_loss  # the pipeline schedule (or ReplicaStep) already ran backward in training_step
-        # Lightning calls backward outside training_step; loss parallel must span both.
-        with self._loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        """The step runner ran every micro-batch's backward in training_step: only the hooks after it run
+        (``on_after_backward``; ``on_before_backward`` has no single moment to run at and does not)."""
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -684,3 +650,20 @@ class TitanStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
         return load_sharded(self.model, list(self.optimizers), path, rank=self.global_rank, world_size=self.world_size)
+
+
+def _refuse_own_step(module: Any, hook: str) -> None:
+    """A ``PretrainModule`` subclass's own ``training_step``/``validation_step`` would bypass the step runner
+    (and its normaliser): refused in one line naming what to override instead."""
+    own = getattr(type(module), hook, None)
+    if isinstance(module, ModuleContract) and getattr(own, "__qualname__", "") != f"PretrainModule.{hook}":
+        raise TypeError(
+            f"{type(module).__name__}.{hook}: TitanStrategy runs each optimizer step itself (one normaliser over "
+            f"every layout); override compute_loss, split_batch, count_targets or record_train_loss instead"
+        )
+
+
+def _own_loss(module: Any) -> bool:
+    """Whether a ``PretrainModule`` subclass computes its loss itself (``compute_loss`` overridden)."""
+    own = getattr(type(module), "compute_loss", None)
+    return isinstance(module, ModuleContract) and getattr(own, "__qualname__", "") != "PretrainModule.compute_loss"

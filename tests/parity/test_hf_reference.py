@@ -195,6 +195,45 @@ def test_packed_documents_equal_each_document_alone_in_transformers():
         _assert_grads_equal(_grads(unmasked), ref, rtol=100 * RTOL)
 
 
+def test_document_boundary_labels_are_ignored_as_each_document_alone_in_transformers():
+    """``data.document_masking`` ignores the label that crosses into the next document (an EOS's label, the next
+    document's first token, which nothing it attends to predicts; ``data.cross_document_labels=false``). Through
+    the module's label path (``inputs_and_labels`` over the data's ``ignore`` mask), the packed batch's gradients
+    equal each document run alone through transformers with its own labels only, normalised by their count;
+    training the crossing labels (the old behaviour) fails the same comparison."""
+    args = _args(False, ROPE31)
+    rows = _packed_rows()
+    batch = {
+        "tokens": rows,
+        "documents": torch.from_numpy(data_documents.document_ids(rows.numpy(), EOS)),
+        "positions": torch.from_numpy(data_documents.document_positions(rows.numpy(), EOS)),
+        "ignore": torch.from_numpy(data_documents.crossing_labels(rows.numpy(), EOS)),
+    }
+    module = PretrainModule("llama3_debug", loss_chunk_tokens=0)
+    inputs, labels, extra = module.inputs_and_labels(batch)
+    assert int((labels == -100).sum()) == 3  # the three EOS of the two rows
+
+    ref = _reference(_ours(args))
+    total, count = 0, 0
+    for r in range(rows.shape[0]):
+        for d in batch["documents"][r].unique().tolist():
+            idx = (batch["documents"][r] == d).nonzero().flatten()
+            first, last = int(idx[0]), int(idx[-1])
+            end = last + 1 if int(rows[r, last]) == EOS else last + 2  # a document cut by the row end continues
+            total = total + _ref_nll_sum(ref, rows[r : r + 1, first:end])
+            count += end - first - 1
+    (total / count).backward()
+
+    ours = _ours(args)
+    ours(inputs, extra["positions"], labels=labels, documents=extra["documents"]).backward()
+    _assert_grads_equal(_grads(ours), ref)
+
+    crossing = _ours(args)  # the crossing labels trained: every document's gradients move
+    crossing(inputs, extra["positions"], labels=rows[:, 1:], documents=extra["documents"]).backward()
+    with pytest.raises(AssertionError, match="max relative gradient error"):
+        _assert_grads_equal(_grads(crossing), ref, rtol=100 * RTOL)
+
+
 class _GradsBeforeStep(L.Callback):
     """The accumulated gradients the optimizer would apply (before clipping and the step)."""
 

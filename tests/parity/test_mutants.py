@@ -98,6 +98,9 @@ OWN_TESTS = {
     "muon_orthogonalises_each_shard": "test_muon_parity.py::test_muon_mutant_orthogonalising_each_shard_is_caught",
     "cp_document_boundary_across_chunk": "test_cp_modes.py::test_document_masked_modes_match_single_process",
     "pp_aux_loss_unscaled": "test_expert_parallel.py::test_pipeline_aux_loss_mutant_is_caught_with_a_10x_margin",
+    "eval_moves_expert_bias": "test_validation.py::test_moe_validation_under_expert_parallel_matches_and_moves_no_training_state",
+    "normaliser_per_rank_mean": "test_user_loss.py::test_normaliser_mutants_are_caught_with_a_10x_margin",
+    "normaliser_per_micro_batch_mean": "test_user_loss.py::test_normaliser_mutants_are_caught_with_a_10x_margin",
 }
 
 # MoE mutants: against the MoE family's own one-process reference (tests/support/moe_parity.py), mutant ->

@@ -50,3 +50,21 @@ def test_no_two_commands_import_each_other():
     modules = {f"lit_titan.cli.{p.stem}": _imports(p) for p in (PACKAGE / "cli").glob("*.py")}
     pairs = sorted((a, b) for a in modules for b in modules if a < b and b in modules[a] and a in modules[b])
     assert pairs == []
+
+
+def test_one_place_owns_the_optimizer_step():
+    """Backward and the zeroing of gradients happen in the step runner alone (strategies/step.py); the module's
+    ``optimizer_zero_grad`` is Lightning's hook for strategies that are not lit-titan's."""
+    calls = (".backward(", "zero_grad()", "block_backward_sync()")
+    owners = {
+        str(p.relative_to(PACKAGE)): sorted(c for c in calls if c in _code(p))
+        for p in _library()
+        if any(c in _code(p) for c in calls)
+    }
+    probe = {"models/moe.py": [".backward("]}  # whether this device's grouped GEMM has a backward: not training
+    assert owners == {"strategies/step.py": sorted(calls), "module.py": ["zero_grad()"], **probe}, owners
+
+
+def _code(path: Path) -> str:
+    """The source without its comments (a comment may name a call)."""
+    return "\n".join(line.split("#", 1)[0] for line in path.read_text().splitlines())

@@ -98,6 +98,7 @@ class Qwen3MoE(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         # The last training forward's auxiliary loss (coefficient included), detached, for logging.
         self.last_aux_loss: Tensor | None = None
+        self.last_aux_term: Tensor | None = None
         # Each layer's share of the mean over layers, when it back-propagates its own (pipeline stages).
         for m in self.moe_layers():
             m.num_moe_layers = len(self.moe_layers())
@@ -139,6 +140,7 @@ class Qwen3MoE(nn.Module):
         if aux is None:
             return loss
         self.last_aux_loss = aux.detach()
+        self.last_aux_term = aux  # live: the step runner weighs it per micro-batch (take_aux_term)
         return loss + aux.to(loss.dtype)
 
     def tie_weights(self) -> None:

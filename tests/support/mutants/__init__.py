@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class Mutant:
@@ -97,18 +99,70 @@ def _cp_allgather_bwd(p: _Patcher) -> None:
 
 @mutant(
     "pp_loss_scale_ignores_accumulation",
-    "the pipeline loss scale forgets gradient accumulation",
-    "strategies/pipeline.py: PipelineRunner.train_step",
+    "the pipeline loss scale forgets gradient accumulation (each micro-batch normalised as if it were the step)",
+    "strategies/step.py: StepRunner.train_part (the normaliser's factor under pp)",
 )
 def _pp_scale(p: _Patcher) -> None:
-    from lit_titan.strategies.pipeline import PipelineRunner
+    from lit_titan.strategies.step import StepRunner
 
-    original = PipelineRunner.train_step
+    original = StepRunner.train_part
 
-    def train_step(self, inputs, labels, loss_fn, accumulation, *args, **kwargs):
-        return original(self, inputs, labels, loss_fn, 1, *args, **kwargs)
+    def train_part(self, module, x, y, kw, factor, aux_weight, *args, **kwargs):
+        if self.strategy.pipeline is not None:  # aux_weight is 1 / the step's micro-batches
+            factor = factor / aux_weight
+        return original(self, module, x, y, kw, factor, aux_weight, *args, **kwargs)
 
-    p.set(PipelineRunner, "train_step", train_step)
+    p.set(StepRunner, "train_part", train_part)
+
+
+@mutant(
+    "normaliser_per_rank_mean",
+    "each rank normalises its loss by its own valid targets, and the ranks' means are averaged",
+    "strategies/step.py: StepRunner.global_count / average_divisor",
+)
+def _per_rank_mean(p: _Patcher) -> None:
+    from lit_titan.strategies.step import StepRunner
+
+    def global_count(self, module, parts, async_op=False):
+        return torch.stack([module.count_targets(y) for _, y, _ in parts]).sum(), None
+
+    p.set(StepRunner, "global_count", global_count)
+    p.set(StepRunner, "average_divisor", lambda self: 1)
+
+
+@mutant(
+    "normaliser_per_micro_batch_mean",
+    "each micro-batch's loss is its own valid-target mean, and the micro-batches' means are averaged",
+    "strategies/step.py: StepRunner.train_part (the normaliser's factor)",
+)
+def _per_micro_batch_mean(p: _Patcher) -> None:
+    from lit_titan.strategies.step import StepRunner
+
+    original = StepRunner.train_part
+
+    def train_part(self, module, x, y, kw, factor, aux_weight, *args, **kwargs):
+        own = aux_weight * self.average_divisor() / module.count_targets(y).to(torch.float64)
+        return original(self, module, x, y, kw, own, aux_weight, *args, **kwargs)
+
+    p.set(StepRunner, "train_part", train_part)
+
+
+@mutant(
+    "eval_moves_expert_bias",
+    "validation forwards count their tokens into the expert bias's next update",
+    "models/moe.py: MoE._record (the training-only bias counts)",
+)
+def _eval_moves_bias(p: _Patcher) -> None:
+    from lit_titan.models import moe
+
+    original = moe.MoE._record
+
+    def record(self, scores, indices, counts, bs, seqlen):
+        original(self, scores, indices, counts, bs, seqlen)
+        if not self.training and self.counting is None and self.args.bias_update_rate > 0:
+            self.tokens_per_expert += counts.detach().to(torch.float32)
+
+    p.set(moe.MoE, "_record", record)
 
 
 @mutant(
@@ -573,10 +627,10 @@ def _pp_aux_unscaled(p: _Patcher) -> None:
     "step_counts_one_rank",
     "with model.moe.aux_loss_counts=step the step's token counts are this rank's only (not summed over the batch "
     "group)",
-    "module.py: PretrainModule.train_in_micro_batches (count_step_tokens's group)",
+    "strategies/step.py: StepRunner.train (count_step_tokens's group)",
 )
 def _step_counts_one_rank(p: _Patcher) -> None:
-    import lit_titan.module as module
+    from lit_titan.strategies import step
 
-    original = module.count_step_tokens
-    p.set(module, "count_step_tokens", lambda model, forwards, group=None: original(model, forwards, None))
+    original = step.count_step_tokens
+    p.set(step, "count_step_tokens", lambda model, forwards, group=None: original(model, forwards, None))

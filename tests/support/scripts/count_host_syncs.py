@@ -60,6 +60,9 @@ MODEL_OWN = (
     "torch/distributed/_composable/",
     "lit_titan/strategies/grad_norm.py",
     "lit_titan/strategies/context_parallel.py",
+    # the step's loss normaliser: one all-reduce of a device scalar (the valid-target count) per step, which the
+    # loss needs as FSDP needs its reductions (TorchTitan's global valid tokens); no host read
+    "lit_titan/strategies/step.py",
 )
 # Reads of tensors that stay on the host on every device: torch's optimizers keep their step
 # counters on the CPU (unless capturable or fused, which read none), the DataLoader draws its seed

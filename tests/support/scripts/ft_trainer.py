@@ -1,6 +1,6 @@
 """The real trainer with ``fault_tolerance.enabled=true``: one forked process per rank, the store in this one.
 
-Run by tests/unit/fault_tolerance/test_ft_trainer.py. ``ft_trainer.py RUN_DIR KILL_STEP RESTART [--mutant NAME]
+Run by tests/unit/fault_tolerance/test_ft_trainer.py. ``ft_trainer.py RUN_DIR KILL_STEP RESTART [--module NAME] [--mutant NAME]
 OVERRIDE...``: hosts the
 job's TCPStore (as a torchrun agent would: it must outlive the replica groups), forks one rank per process of
 the job, each running the train command in-process with the parity dump
@@ -42,6 +42,11 @@ def _callbacks(dump: Path, record: Path | None) -> list:
     return [ParityDump(dump, DUMP_STEPS), *([ThroughputRecord()] if record else [])]
 
 
+# ``--module NAME``: a subclass in tests/support/user_modules.py trains instead of PretrainModule (set before the
+# ranks are forked, so each inherits it)
+_USER_MODULE: str | None = None
+
+
 def _rank(
     run_dir: Path,
     rank: int,
@@ -73,6 +78,11 @@ def _rank(
     from mutants import applied
 
     print(f"$ python -m lit_titan.train {' '.join(overrides)}  # parity dump, mutant={mutant}", flush=True)
+    if _USER_MODULE:  # a user's subclass as the job's module (parity.train_user_case does the same)
+        import lit_titan.module
+        import user_modules
+
+        lit_titan.module.PretrainModule = getattr(user_modules, _USER_MODULE)
     with applied(mutant):
         run_app(overrides, partial(train, callbacks=_callbacks(dump, record)))
     sys.stdout.flush()
@@ -96,8 +106,11 @@ def main(argv: list[str]) -> None:
     import lit_titan.train  # noqa: F401
     import parity  # noqa: F401
 
+    global _USER_MODULE
     run_dir, kill_step, restart, overrides = Path(argv[0]), int(argv[1]), argv[2] == "1", argv[3:]
     mutant = None
+    if overrides[:1] == ["--module"]:
+        _USER_MODULE, overrides = overrides[1], overrides[2:]
     if overrides[:1] == ["--mutant"]:
         mutant, overrides = overrides[1], overrides[2:]
     for key in _JOB_ENV_DROP:

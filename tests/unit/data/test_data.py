@@ -147,7 +147,8 @@ def test_global_order_independent_of_layout(data_dir: Path, dp: int) -> None:
 
 
 def test_dp_peers_identical(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """4 global ranks, dp_size=2 (e.g. TP=2): ranks {0,1} -> dp 0, {2,3} -> dp 1."""
+    """4 global ranks, dp_size=2 (e.g. TP=2): ranks {0,1} -> dp 0, {2,3} -> dp 1; under TitanStrategy each batch is
+    the rank's whole step (its step runner makes the micro-batches of 2)."""
     per_rank = []
     for rank in range(4):
         # What litdata would detect on this process: the *global* rank/world size (must be ignored).
@@ -155,16 +156,16 @@ def test_dp_peers_identical(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setenv("GLOBAL_RANK", str(rank))
         dm = make_dm(data_dir, global_batch_size=8, micro_batch_size=2)
         dm.trainer = _trainer(rank, 4, tp=2)
-        per_rank.append(batches(dm, 12))
-        assert dm.grad_accum_steps == 2
-    assert len(per_rank[0]) == 12
+        per_rank.append(batches(dm, 6))
+        assert dm.grad_accum_steps == 1 and dm.step_micro_batch_size == 2 and per_rank[-1][0].shape[0] == 4
+    assert len(per_rank[0]) == 6
     for peer_a, peer_b in ((0, 1), (2, 3)):
         assert all(torch.equal(x, y) for x, y in zip(per_rank[peer_a], per_rank[peer_b], strict=True))
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("GLOBAL_RANK")
     ref = batches(make_dm(data_dir, global_batch_size=8, micro_batch_size=8), 6)
     for k in range(6):
-        assert torch.equal(_step_rows([per_rank[0], per_rank[2]], 2, k), ref[k])
+        assert torch.equal(_step_rows([per_rank[0], per_rank[2]], 1, k), ref[k])
 
 
 def test_batch_size_validation(data_dir: Path) -> None:

@@ -270,3 +270,20 @@ def test_document_positions_restart_after_eos(shards: dict[str, Any]) -> None:
     loss = module.compute_loss(module(inputs, positions), labels)
     plain = module.compute_loss(module(inputs), labels)
     assert torch.isfinite(loss) and not torch.equal(loss, plain)  # the positions reach the rotary embedding
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_document_masking_marks_each_eos_label_unless_crossing_labels_are_trained(
+    shards: dict[str, Any], cross: bool
+) -> None:
+    docs = dict(
+        corpus="stdlib", path=None, max_bytes=200_000, tokenizer={"kind": "bpe", "vocab_size": 512}, global_batch_size=4
+    )
+    dm = _dm(shards, document_masking=True, cross_document_labels=cross, **docs)
+    eos = dm.train_splits[0].eos_id
+    for batch in dm.train_dataloader():  # the first batch with a boundary
+        if (batch["tokens"][:, :-1] == eos).any():
+            break
+    assert ("ignore" in batch) is not cross
+    if not cross:
+        assert torch.equal(batch["ignore"], batch["tokens"][:, :-1] == eos)

@@ -28,7 +28,7 @@ import sys
 import pytest
 import torch
 
-from parity import PARITY, TOL, check_case, compare
+from parity import MASKED_DROP, MIN_LOSS_DROP, PARITY, TOL, check_case, compare
 from paths import SCRIPTS, SUPPORT
 
 pytestmark = pytest.mark.slow
@@ -46,28 +46,34 @@ FT = [
 ]
 
 
-# case -> (layout, the mutant its run must catch)
+# case -> (layout, the mutant its run must catch, a user's subclass trained instead of PretrainModule). The HSDP
+# case trains tests/support/user_modules.py's MaskedLabels: unequal valid targets per replica group, before and
+# after the fault, against one process of the same subclass (the step runner's global normaliser).
 LAYOUTS = {
-    "ft_hsdp2x2_accum": (["data.micro_batch_size=1"], None),
-    "ft_pp2_accum": (["parallel.pp=2", "data.micro_batch_size=2"], "ft_pp_sum_skips_a_stage"),
+    "ft_hsdp2x2_accum_masked": (["data.micro_batch_size=1"], None, "MaskedLabels"),
+    "ft_pp2_accum": (["parallel.pp=2", "data.micro_batch_size=2"], "ft_pp_sum_skips_a_stage", None),
 }
 
 
-def _launch(run, kill_step: int, restart: bool, overrides: list[str], mutant: str | None = None) -> None:
+def _launch(
+    run, kill_step: int, restart: bool, overrides: list[str], mutant: str | None = None, module: str | None = None
+) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(SCRIPTS / "ft_trainer.py"), str(run), str(kill_step), "1" if restart else "0"]
+    cmd += ["--module", module] if module else []
     subprocess.run([*cmd, *(["--mutant", mutant] if mutant else []), *overrides], env=env, timeout=400, check=True)
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
-def test_trainer_survives_a_lost_replica_group_equal_to_one_process(parity_reference, tmp_path, case):
+def test_trainer_survives_a_lost_replica_group_equal_to_one_process(parity_reference, masked_reference, tmp_path, case):
     run = tmp_path / "ft"
-    layout, mutant = LAYOUTS[case]
-    _launch(run, KILL_STEP, True, [*PARITY, *FT, *layout], mutant)
+    layout, mutant, module = LAYOUTS[case]
+    _launch(run, KILL_STEP, True, [*PARITY, *FT, *layout], mutant, module)
+    reference = masked_reference if module else parity_reference
     codes = json.loads((run / "codes.json").read_text())
     logs = {p.name: p.read_text() for p in run.glob("rank-*.log")}
     assert codes == [0, 0, -9, -9, 0, 0], (codes, {k: v[-3000:] for k, v in logs.items()})
-    check_case(case, parity_reference, run)
+    check_case(case, reference, run, min_loss_drop=MASKED_DROP if module else MIN_LOSS_DROP)
     last = json.loads((run / "throughput.json").read_text())  # its last step: 4 live ranks, 8 x 32 tokens
     assert last["global_tokens"] == 256 and last["tokens_per_sec_per_device"] * 4 == pytest.approx(
         256 / last["step_seconds"]

@@ -1,0 +1,41 @@
+"""Users' ``PretrainModule`` subclasses, trained as layouts by the parity tests (tests/parity/test_user_loss.py).
+
+A world runs one through ``parity.train_user_case``, which hands the job this class in place of
+``PretrainModule`` for the case (the command line has no module key yet).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lit_titan import PretrainModule
+
+IGNORE = -100
+
+
+class MaskedLabels(PretrainModule):
+    """Ignores every label after a prefix whose length (1 to seq_len) the sequence's first token decides: the
+    valid counts differ between sequences, ranks, micro-batches and context-parallel chunks, whatever the layout.
+    The loss is the default ``F.cross_entropy`` mean (it ignores -100)."""
+
+    def split_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, labels = super().split_batch(batch)
+        keep = 1 + batch[:, 0] % labels.shape[1]
+        position = torch.arange(labels.shape[1], device=labels.device)
+        return inputs, labels.masked_fill(position[None, :] >= keep[:, None], IGNORE)
+
+
+class MaskedLabelsOwnLoss(MaskedLabels):
+    """The same loss written by the user, as one loss per target (zero where ignored)."""
+
+    def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="none")
+        return losses.view_as(labels)
+
+
+class SmoothedLoss(PretrainModule):
+    """The README's subclass: label smoothing."""
+
+    def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), label_smoothing=0.1)
