@@ -154,6 +154,23 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     return _probe_grouped_mm(device_type, dtype)
 
 
+@torch.compiler.assume_constant_result
+def grouped_mm_traces(dtype: torch.dtype) -> bool:
+    """Whether compile can trace ``torch._grouped_mm`` for this dtype: it runs the meta kernel on fake tensors,
+    which may refuse a dtype that eager runs (torch 2.14 on CPU: fp32 runs eagerly, its meta kernel wants bf16)."""
+    return _probe_grouped_mm_meta(dtype)
+
+
+@functools.cache
+def _probe_grouped_mm_meta(dtype: torch.dtype) -> bool:
+    try:
+        x, w = torch.zeros(4, 16, device="meta", dtype=dtype), torch.zeros(2, 16, 16, device="meta", dtype=dtype)
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.zeros(2, device="meta", dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
 @functools.cache
 def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     """The probe runs in a thread of its own: the first call comes from inside a forward, where activation
@@ -202,6 +219,7 @@ class GroupedExperts(nn.Module):
         if self.impl == "loop":
             return False
         ok = grouped_mm_works(x.device.type, x.dtype) and _aligned(self.w1.shape[-1], self.w1.shape[-2], dtype=x.dtype)
+        ok = ok and (not torch.compiler.is_compiling() or grouped_mm_traces(x.dtype))
         if self.impl == "grouped" and not ok:
             raise RuntimeError(
                 f"model.moe.experts_impl=grouped: torch._grouped_mm does not run for {x.dtype} on "

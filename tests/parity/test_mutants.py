@@ -100,6 +100,7 @@ OWN_TESTS = {
     "pp_aux_loss_unscaled": "test_expert_parallel.py::test_pipeline_aux_loss_mutant_is_caught_with_a_10x_margin",
     "eval_moves_expert_bias": "test_validation.py::test_moe_validation_under_expert_parallel_matches_and_moves_no_training_state",
     "normaliser_per_rank_mean": "test_user_loss.py::test_normaliser_mutants_are_caught_with_a_10x_margin",
+    "normaliser_count_one_rank": "test_user_loss.py::test_normaliser_mutants_are_caught_with_a_10x_margin",
     "normaliser_per_micro_batch_mean": "test_user_loss.py::test_normaliser_mutants_are_caught_with_a_10x_margin",
 }
 

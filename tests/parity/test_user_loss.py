@@ -65,7 +65,11 @@ def test_masked_labels_of_an_moe_model_train_equal_to_one_process_under_expert_p
 
 @pytest.mark.parametrize(
     "mutant, case",
-    [("normaliser_per_rank_mean", "cp2"), ("normaliser_per_micro_batch_mean", "dp2_accum2")],
+    [
+        ("normaliser_per_rank_mean", "cp2"),
+        ("normaliser_count_one_rank", "dp2_accum2"),
+        ("normaliser_per_micro_batch_mean", "dp2_accum2"),
+    ],
 )
 def test_normaliser_mutants_are_caught_with_a_10x_margin(mutant, case, masked_reference, tmp_path, worlds):
     report = measure(case, masked_reference, _run(worlds, "MaskedLabels", LAYOUTS[case], tmp_path, mutant))

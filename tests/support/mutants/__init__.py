@@ -131,6 +131,20 @@ def _per_rank_mean(p: _Patcher) -> None:
 
 
 @mutant(
+    "normaliser_count_one_rank",
+    "the step's valid targets are counted on this rank only (not summed over the ranks sharing the batch)",
+    "strategies/step.py: StepRunner.global_count",
+)
+def _count_one_rank(p: _Patcher) -> None:
+    from lit_titan.strategies.step import StepRunner
+
+    def global_count(self, module, parts, async_op=False):
+        return torch.stack([module.count_targets(y) for _, y, _ in parts]).sum(), None
+
+    p.set(StepRunner, "global_count", global_count)
+
+
+@mutant(
     "normaliser_per_micro_batch_mean",
     "each micro-batch's loss is its own valid-target mean, and the micro-batches' means are averaged",
     "strategies/step.py: StepRunner.train_part (the normaliser's factor)",
