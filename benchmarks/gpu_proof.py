@@ -122,7 +122,7 @@ def stall_command(args: argparse.Namespace, out: Path) -> list[str]:
 def stall_job(planner_json: Path, free_bytes: int) -> str:
     """The largest checkpoint-stall job whose two kept checkpoints (plus 10% and 2 GiB) fit ``free_bytes``."""
     try:
-        states = json.loads(planner_json.read_text())["checkpoint_state_bytes"]
+        states = json.loads(planner_json.read_text())["predicted"]["checkpoint_state_bytes"]
     except (OSError, ValueError, KeyError):
         return list(STALL_JOBS)[-1]
     for name in STALL_JOBS:
