@@ -286,14 +286,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def install(
     wheels: Path, site: Path, limit_s: float, log: Path, dry_run: bool = False
 ) -> tuple[str, float, dict[str, Any]]:
-    """The wheel folder into ``site`` (offline, no dependency resolution: the folder is the closure)."""
+    """The wheel folder into ``site`` (offline, no dependency resolution: the folder is the closure).
+
+    ``dry_run`` (smoke) lists the command only: the wheels are built for the GPU machine's Python.
+    """
     found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     if not found:
         log.write_text(f"no wheels in {wheels}\n")
         return f"skipped (no wheels in {wheels})", 0.0, {}
     figures = {"wheels": len(found), "wheel_mib": round(sum(w.stat().st_size for w in found) / 2**20, 1)}
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
-    cmd += ["--no-cache-dir", "--upgrade", "--target", str(site), *(["--dry-run"] if dry_run else []), *map(str, found)]
+    cmd += ["--no-cache-dir", "--upgrade", "--target", str(site), *map(str, found)]
+    if dry_run:
+        log.write_text(shlex.join(cmd) + "\n")
+        return "skipped (dry run)", 0.0, figures
     status, seconds, _ = run_step(cmd, limit_s, log, dict(os.environ))
     return status, seconds, figures
 
