@@ -114,9 +114,14 @@ def stall_command(args: argparse.Namespace, out: Path) -> list[str]:
     cmd = [*_script("checkpoint_stall.py"), "--json", str(out / "checkpoint_stall.json")]
     if args.smoke == "full":
         return [*cmd, "--cpu-smoke", "--saves", "2", "--every", "2"]
-    cmd += ["--saves", "3", "--every", "5", "--run-dir", str(Path(args.scratch) / "checkpoint_stall")]
+    cmd += ["--saves", "3", "--every", "5", "--run-dir", str(scratch_dir(args, "checkpoint_stall"))]
     job = STALL_JOBS[stall_job(out / "planner.json", shutil.disk_usage(args.scratch).free)]
     return [*cmd, "--help", "--", *job] if args.smoke else [*cmd, "--", *job]
+
+
+def scratch_dir(args: argparse.Namespace, step: str) -> Path:
+    """A step's own folder under ``--scratch``, deleted when the step ends."""
+    return Path(args.scratch) / "gpu-proof-scratch" / step
 
 
 def stall_job(planner_json: Path, free_bytes: int) -> str:
@@ -404,7 +409,10 @@ def run_one(
         cmd = step.command(args, out)
     except Exception as err:  # noqa: BLE001  (a step that cannot even be built is reported, the rest run)
         return {"step": step.name, "status": f"failed: {type(err).__name__}: {err}", "seconds": 0.0, "figures": {}}
-    status, seconds, stdout = run_step(cmd, limit, out / "logs" / f"{step.name}.log", env)
+    try:
+        status, seconds, stdout = run_step(cmd, limit, out / "logs" / f"{step.name}.log", env)
+    finally:  # checkpoints never outlive their step (the disk is small), even after a timeout
+        shutil.rmtree(scratch_dir(args, step.name), ignore_errors=True)
     result: dict[str, Any] = {"step": step.name, "status": status, "seconds": round(seconds, 1), "command": cmd}
     path = out / step.output if step.output else output_of(step, cmd)
     figures: dict[str, Any] = {}
