@@ -180,8 +180,7 @@ class StragglerReport(L.Callback):
         timeline = next((cb for cb in trainer.callbacks if isinstance(cb, Timeline)), None)
         if timeline is None:
             return [0.0] * len(PHASES)
-        rows = timeline.rows[self._timeline_seen :]
-        self._timeline_seen = len(timeline.rows)
+        rows, self._timeline_seen = timeline.rows_since(self._timeline_seen)
         if not rows:
             return [0.0] * len(PHASES)
         return [sum(r[f"{p}_s"] for r in rows) / len(rows) for p in PHASES]

@@ -20,12 +20,16 @@ Phases and the hooks that bound them:
 
 On CUDA nothing here syncs the host: times come from CUDA events read once the GPU has passed them
 (a few steps late; the rest at the end of training), memory from the allocator's host-side counters.
+Memory and file handles stay bounded however long the run: rows wait in memory until a logging step
+(or ``FLUSH_ROWS`` of them), are appended to the CSV in one open, and only the last ``RECENT_ROWS``
+stay in memory afterwards (for the straggler report).
 """
 
 from __future__ import annotations
 
 import csv
 import resource
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ import lightning as L
 import torch
 
 from lit_titan.callbacks.settings import TimelineConfig
+from lit_titan.observe.log_cadence import is_logging_step
 from lit_titan.observe.phases import PHASES, PhaseClock, StepTimes
 from lit_titan.settings import settings_of
 from lit_titan.strategies.contract import contract, module_contract
@@ -40,6 +45,8 @@ from lit_titan.strategies.contract import contract, module_contract
 __all__ = ["TIMELINE_COLUMNS", "Timeline"]
 
 TIMELINE_COLUMNS = ("step", "wall_s", *(f"{p}_s" for p in PHASES), "other_s", "peak_mem_mib", "peak_reserved_mib")
+RECENT_ROWS = 1024  # rows kept in memory after they are written (~1.5 MB)
+FLUSH_ROWS = 256  # rows buffered at most between two writes, whatever the logging interval
 
 
 class Timeline(L.Callback):
@@ -54,7 +61,9 @@ class Timeline(L.Callback):
         self.run_dir = self.settings.run_dir
         self.clock: PhaseClock | None = None
         self.path: Path | None = None
-        self.rows: list[dict[str, Any]] = []  # this process's rows, also kept in memory (tests, report)
+        self.rows: deque[dict[str, Any]] = deque(maxlen=RECENT_ROWS)  # this process's latest rows
+        self.rows_total = 0  # rows ever made by this process (``rows`` keeps the last RECENT_ROWS)
+        self._pending: list[dict[str, Any]] = []  # made, not yet in the CSV
         self._memory: dict[int, tuple[float, float]] = {}
         self._hooks: list[Any] = []
         self._prev_global_step = 0
@@ -125,7 +134,9 @@ class Timeline(L.Callback):
             device = trainer.strategy.root_device
             self._memory[trainer.global_step] = self._peak(device)
             self._reset_peak(device)
-            self._write(clock.ready())
+            self._add(clock.ready())
+            if is_logging_step(trainer, trainer.global_step) or len(self._pending) >= FLUSH_ROWS:
+                self._flush()
         clock.begin("data")
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -159,8 +170,9 @@ class Timeline(L.Callback):
         self._hooks = []
         if self.clock is not None:
             self.clock.close()
-            self._write(self.clock.ready(flush=True))
+            self._add(self.clock.ready(flush=True))
             self.clock = None
+        self._flush()
 
     @staticmethod
     def _reset_peak(device: torch.device) -> None:
@@ -174,18 +186,28 @@ class Timeline(L.Callback):
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         return rss, float("nan")
 
-    def _write(self, steps: list[StepTimes]) -> None:
-        if not steps or self.path is None:
-            return
-        rows = []
+    def rows_since(self, seen: int) -> tuple[list[dict[str, Any]], int]:
+        """The rows made after the first ``seen`` (at most the last RECENT_ROWS), and the new count."""
+        new = min(self.rows_total - seen, len(self.rows))
+        return (list(self.rows)[-new:] if new > 0 else []), self.rows_total
+
+    def _add(self, steps: list[StepTimes]) -> None:
+        """Rows of the steps whose times are ready: buffered for the CSV, the latest kept in memory."""
         for s in steps:
             mem, reserved = self._memory.pop(s.step, (float("nan"), float("nan")))
             row: dict[str, Any] = {"step": s.step, "wall_s": s.wall_s}
             row.update({f"{p}_s": s.phases.get(p, 0.0) for p in PHASES})
             row.update({"other_s": s.other_s, "peak_mem_mib": mem, "peak_reserved_mib": reserved})
-            rows.append(row)
-        self.rows.extend(rows)
+            self.rows.append(row)
+            self._pending.append(row)
+            self.rows_total += 1
+
+    def _flush(self) -> None:
+        """Append the buffered rows to the CSV in one open (a logging step, a full buffer, the end)."""
+        if not self._pending or self.path is None:
+            return
         with open(self.path, "a", newline="") as f:
             writer = csv.writer(f)
-            for row in rows:
+            for row in self._pending:
                 writer.writerow([row[c] if isinstance(row[c], int) else f"{row[c]:.6g}" for c in TIMELINE_COLUMNS])
+        self._pending = []

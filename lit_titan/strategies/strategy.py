@@ -11,7 +11,6 @@ Extends Lightning's ``ModelParallelStrategy`` (2-D, user-parallelised) with:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import fields, replace
@@ -46,6 +45,7 @@ from lit_titan.strategies.fsdp import (
     fsdp_modules,
     mixed_precision_for,
 )
+from lit_titan.strategies.host_threads import cpu_threads
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.parallel_plan import ParallelPlan
 from lit_titan.strategies.pipeline import (
@@ -303,8 +303,8 @@ class TitanStrategy(ModelParallelStrategy):
         # every rank's current CUDA device would be whatever DeviceMesh guesses.
         self.accelerator.setup_device(self.root_device)
         if self.root_device.type == "cpu":
-            # N processes on one host share its cores; without this each takes them all.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(self.num_processes, 1)))
+            # N processes on one host share its cores (OMP_NUM_THREADS wins); else each takes them all.
+            torch.set_num_threads(cpu_threads(self.num_processes))
         self._owns_process_group = not torch.distributed.is_initialized()
         self._setup_distributed()
         from lit_titan.observe import peer_exit
