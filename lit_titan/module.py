@@ -127,6 +127,11 @@ class PretrainModule(L.LightningModule, ModuleContract):
         if self.init_from_hf:
             adapter = registry.hf_adapter(self.model_args, f"model.init_from_hf={self.init_from_hf}")
             adapter.load_hf_weights(self.model, self.init_from_hf)
+            note = adapter.import_note(self.model_args)
+            if note:
+                from lightning.pytorch.utilities import rank_zero_info
+
+                rank_zero_info(f"model.init_from_hf: {note}")
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = self.build_optimizer()

@@ -10,9 +10,10 @@ from with ``model.init_from_hf=OUT_DIR``.
     lit-titan export CKPT OUT --model llama3_debug model.dim=64 model.n_layers=2
 
 The model's shape comes from the run's ``config.yaml`` (``<run_dir>/config.yaml``, beside
-``<run_dir>/checkpoints/``), or from ``--model FLAVOR [model.KEY=VALUE ...]``. One process, no
-process group: only the model tensors are read (never the optimizer state), one output shard at a
-time, so memory stays near one shard.
+``<run_dir>/checkpoints/``), or from ``--model FLAVOR [model.KEY=VALUE ...]`` (a group's keys too:
+``model.moe.num_experts=8``). State the Hugging Face format cannot hold (Qwen3-MoE's expert bias) is
+left out, with one line saying so. One process, no process group: only the model tensors are read
+(never the optimizer state), one output shard at a time, so memory stays near one shard.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lit_titan.models import hf_io, registry
 from lit_titan.models.init import canonical_name
 from lit_titan.models.registry import ModelArgsLike as ModelArgs
 
+MODEL_OVERRIDE = re.compile(r"model(\.\w+)+=.*")  # model.KEY=V and a group's model.GROUP.KEY=V, as train takes
 MODEL_PREFIX = "state_dict.model."  # where Lightning's DCP checkpoints keep the model's weights
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 _UNITS = {
@@ -125,9 +127,12 @@ def resolve_model_args(ckpt: Path, flavor: str | None, overrides: list[str]) -> 
     from lit_titan.config import compose
     from lit_titan.config.spec import model_args
 
-    bad = [o for o in overrides if not re.fullmatch(r"model\.\w+=.*", o)]
+    bad = [o for o in overrides if not MODEL_OVERRIDE.fullmatch(o)]
     if bad:
-        raise ExportError(f"unexpected argument(s) {bad}; only model.KEY=VALUE overrides may follow OUT_DIR")
+        raise ExportError(
+            f"unexpected argument(s) {bad}; only model.KEY=VALUE overrides (model.moe.KEY=VALUE for a group) "
+            f"may follow OUT_DIR"
+        )
     if flavor:
         cfg = compose([f"model={flavor}", *overrides], check=True)
     else:
@@ -151,11 +156,13 @@ def resolve_model_args(ckpt: Path, flavor: str | None, overrides: list[str]) -> 
 
 
 def param_shapes(args: ModelArgs) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """(parameter name -> shape in the model's order, names that alias a parameter: a tied head)."""
+    """(parameter name -> shape in the model's order, other names a checkpoint may hold: a tied head's
+    alias, and buffers such as the expert bias, which a run with other settings checkpoints)."""
     with torch.device("meta"):
         model = registry.build_model(args)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    return shapes, set(model.state_dict()) - set(shapes)
+    others = set(model.state_dict()) | {canonical_name(n) for n, _ in model.named_buffers()}
+    return shapes, others - set(shapes)
 
 
 def check_shapes(tensors: dict[str, tuple[str, Any]], args: ModelArgs) -> None:
@@ -260,6 +267,9 @@ def export_checkpoint(
         _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    note = registry.hf_adapter(args, "export").export_note(args)
+    if note:
+        print(f"lit-titan: {note}", file=sys.stderr, flush=True)
     return out
 
 

@@ -132,7 +132,8 @@ def _prepare_local(args: PrepareArgs, cfg: Any, out: Path, progress: bool, start
         if data.tokenizer.get("kind") == "hf":
             check_tokenizer_file(data.tokenizer.get("path"), None)
     try:
-        train, val = split_corpus(load_corpus(data.corpus, data.path, data.max_bytes), float(data.val_fraction))
+        corpus = load_corpus(data.corpus, data.path, data.max_bytes, data.text_key, data.encoding)
+        train, val = split_corpus(corpus, float(data.val_fraction))
         tokenizer, source = _tokenizer(data, train, out)
     except ConfigError:
         raise

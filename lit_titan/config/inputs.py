@@ -18,8 +18,6 @@ from omegaconf import DictConfig
 
 from lit_titan.errors import ConfigError, one_line
 
-BINARY_PROBE_BYTES = 8192  # a text document has no NUL byte in its first 8 KiB; a binary file almost always does
-
 
 def check_inputs(cfg: DictConfig, model_vocab_size: int) -> None:
     """Every pre-spawn check of the data, tokenizer and hardware; raises ConfigError.
@@ -158,7 +156,7 @@ def check_tokenizer_file(path: Any, model_vocab_size: int | None) -> None:
 
 def check_documents(cfg: DictConfig, *, one_batch: bool = True) -> None:
     """data=text: documents exist, are text, and (``one_batch``) hold at least one global batch of tokens."""
-    from lit_titan.data.corpus import read_documents, split_corpus, text_corpus
+    from lit_titan.data.corpus import DocumentError, split_corpus, text_corpus
 
     data = cfg.data
     if not data.get("path"):
@@ -169,7 +167,9 @@ def check_documents(cfg: DictConfig, *, one_batch: bool = True) -> None:
             f"data.path={data.path}: no such file or directory; set data.path=DIR to your .txt/.jsonl documents"
         )
     try:
-        corpus = text_corpus(root, data.get("max_bytes"))
+        corpus = text_corpus(root, data.get("max_bytes"), data.text_key, data.encoding)
+    except DocumentError as err:  # the first document read: bytes not in data.encoding, no data.text_key field
+        raise ConfigError(f"data.path={data.path}: {one_line(err)}") from None
     except (ValueError, OSError) as err:  # no documents, or only empty ones
         text = one_line(err)
         what = (
@@ -183,22 +183,14 @@ def check_documents(cfg: DictConfig, *, one_batch: bool = True) -> None:
             f"data.path={data.path}: {what}; point data.path at a directory (or file) of non-empty "
             f".txt/.jsonl documents"
         ) from None
-    for f in corpus.files:
-        with open(f, "rb") as fh:
-            if b"\0" in fh.read(BINARY_PROBE_BYTES):
-                raise ConfigError(
-                    f"data.path={data.path}: {f} is a binary file, not text; remove it or point "
-                    f"data.path at .txt/.jsonl documents only"
-                )
     try:
         train, val = split_corpus(corpus, float(data.val_fraction))
         for f in (*train.files, *(val.files if val else ())):
-            if f.suffix == ".jsonl":
-                # Every line parses (read_documents names the first that does not): one JSON parse per
-                # line is a small fraction of the tokenizing that follows, and a bad line found there
-                # would surface inside a rank, as a traceback.
-                for _ in read_documents(f):
-                    pass
+            # Every file decodes and every .jsonl line parses (DocumentError names the first that does
+            # not): a small fraction of the tokenizing that follows, and a bad file found there would
+            # surface inside a rank, as a traceback, or (bytes not text) be trained on.
+            for _ in corpus.documents(f):
+                pass
     except ValueError as err:
         raise ConfigError(f"data.path={data.path}: {one_line(err)}") from None
     if not one_batch:

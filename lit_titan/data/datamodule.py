@@ -225,7 +225,8 @@ class PretrainDataModule(L.LightningDataModule):
     @property
     def corpus(self) -> Corpus:
         if self._corpus is None:
-            self._corpus = load_corpus(self.corpus_kind, self.path, self.max_bytes)
+            s = self.settings
+            self._corpus = load_corpus(self.corpus_kind, self.path, self.max_bytes, s.text_key, s.encoding)
         return self._corpus
 
     def _splits(self) -> tuple[Corpus, Corpus | None]:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lit_titan.data.corpus import Corpus, read_documents
+from lit_titan.data.corpus import Corpus
 from lit_titan.data.tokenizers import HFTokenizer, Tokenizer, tokenizer_fingerprint
 
 FORMAT = "lit-titan-tokens"
@@ -64,7 +64,8 @@ class _TokenizeFile:
     manifest's document count wrong.
     """
 
-    def __init__(self, tokenizer: Tokenizer, piece_tokens: int, error_dir: Path) -> None:
+    def __init__(self, corpus: Corpus, tokenizer: Tokenizer, piece_tokens: int, error_dir: Path) -> None:
+        self.corpus = corpus  # how its files are read (text_key, encoding)
         self.tokenizer = tokenizer
         self.piece_tokens = piece_tokens
         self.error_dir = error_dir
@@ -76,7 +77,7 @@ class _TokenizeFile:
             return  # another file failed: the run is lost, skip the work
         try:
             yield from self._pieces(path)
-        except ValueError as err:  # read_documents: a line that is not a JSON object with "text"
+        except ValueError as err:  # DocumentError: a bad .jsonl line, bytes not in data.encoding
             (self.error_dir / f"{os.getpid()}-{time.time_ns()}.txt").write_text(str(err))
 
     def _pieces(self, path: str) -> Iterator[torch.Tensor]:
@@ -84,7 +85,7 @@ class _TokenizeFile:
         end = np.array([eos], dtype=np.int32)
         pending: list[np.ndarray] = []
         n = 0
-        for doc in read_documents(Path(path)):
+        for doc in self.corpus.documents(Path(path)):
             ids = np.asarray(self.tokenizer.encode(doc), dtype=np.int32)
             if (ids == eos).any():
                 ids = ids[ids != eos]
@@ -110,10 +111,12 @@ def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any]:
 
 
 def _write_split(
-    files: tuple[Path, ...], tokenizer: Tokenizer, out: Path, chunk_tokens: int, num_workers: int, progress: bool
+    corpus: Corpus, tokenizer: Tokenizer, out: Path, chunk_tokens: int, num_workers: int, progress: bool
 ) -> dict[str, int]:
     from litdata import optimize
     from litdata.streaming.item_loader import TokensLoader
+
+    files = corpus.files
 
     workers = max(1, min(num_workers, len(files)))
     if progress:
@@ -127,7 +130,7 @@ def _write_split(
     errors.mkdir()
     with contextlib.redirect_stdout(io.StringIO()):
         optimize(
-            fn=_TokenizeFile(tokenizer, max(1, chunk_tokens // PIECES_PER_CHUNK), errors),
+            fn=_TokenizeFile(corpus, tokenizer, max(1, chunk_tokens // PIECES_PER_CHUNK), errors),
             inputs=[str(f) for f in files],
             output_dir=str(out),
             chunk_size=chunk_tokens,
@@ -227,9 +230,9 @@ def prepare_shards(
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}-{time.time_ns()}")
     try:
         tmp.mkdir()
-        splits = {"train": _write_split(train.files, tokenizer, tmp / "train", chunk_tokens, num_workers, progress)}
+        splits = {"train": _write_split(train, tokenizer, tmp / "train", chunk_tokens, num_workers, progress)}
         if val is not None:
-            splits["val"] = _write_split(val.files, tokenizer, tmp / "val", chunk_tokens, num_workers, progress)
+            splits["val"] = _write_split(val, tokenizer, tmp / "val", chunk_tokens, num_workers, progress)
         if isinstance(tokenizer, HFTokenizer):
             shutil.copyfile(tokenizer.path, tmp / TOKENIZER_FILE)
         inputs = {"train": train.fingerprint, "val": val.fingerprint if val is not None else None}

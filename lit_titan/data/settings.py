@@ -6,14 +6,27 @@ Free of torch on purpose: the config schema imports it before anything heavy is 
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from typing import Any
 
 from lit_titan.settings import non_empty_str, setting
 
+
+def _encoding(value: Any) -> str | None:
+    """A text codec Python knows, refused when the config is checked rather than when a file is read."""
+    try:
+        text = getattr(codecs.lookup(value), "_is_text_encoding", True)  # False: base64, zlib, ...
+    except (LookupError, TypeError):
+        text = False
+    return None if text else "not a text encoding Python knows; give one such as utf-8, latin-1 or cp1252"
+
+
 CORPORA = ("stdlib", "text", "tokens", "mixture")
 TOKENIZER_KINDS = ("bpe", "hf", "shards")
 DEFAULT_MAX_BYTES = 8_000_000
+DEFAULT_TEXT_KEY = "text"
+DEFAULT_ENCODING = "utf-8"
 
 
 @dataclass
@@ -39,6 +52,8 @@ class DataConfig:
     corpus: str = setting("stdlib", choices=CORPORA)
     path: str | None = setting(None)
     max_bytes: int | None = setting(DEFAULT_MAX_BYTES, ge=1)
+    text_key: str = setting(DEFAULT_TEXT_KEY, check=non_empty_str)  # the field of a .jsonl record holding its text
+    encoding: str = setting(DEFAULT_ENCODING, check=_encoding)  # of the .txt/.jsonl files; bytes outside it: an error
     seq_len: int = setting(512, ge=1)
     global_batch_size: int = setting(8, ge=1)
     micro_batch_size: int | None = setting(None, ge=1)

@@ -295,6 +295,16 @@ def check_hf_expressible(args: ModelArgs, where: str) -> None:
         )
 
 
+def export_note(args: ModelArgs) -> None:
+    """Nothing of a Llama is left out of an export (what is not expressible is refused above)."""
+    return None
+
+
+def import_note(args: ModelArgs) -> None:
+    """Nothing of a Llama starts other than from the HF directory."""
+    return None
+
+
 def check_hf_dir(path: str, args: ModelArgs) -> None:
     """Refuse a HF directory that is missing or does not match ``args``, before any process starts.
 

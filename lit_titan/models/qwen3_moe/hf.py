@@ -4,8 +4,10 @@ The Hub's ``Qwen/Qwen3-*-A*B`` safetensors hold one tensor per expert
 (``model.layers.N.mlp.experts.E.gate_proj.weight``); ours stacks them (``moe.experts.w1`` [E, ...]),
 so export splits and import stacks. transformers >= 5 fuses them again on load with its own
 conversion, so a directory written here loads with ``Qwen3MoeForCausalLM.from_pretrained``.
-Rotary layout, q/k norms and names otherwise map one to one. The aux-loss-free expert bias has no
-HF counterpart and is not exported. Only safetensors are read or written (never pickle).
+Rotary layout, q/k norms and names otherwise map one to one. The aux-loss-free expert bias
+(``model.moe.bias_update_rate > 0``) has no HF counterpart: export leaves it out and ``init_from_hf``
+starts it at 0, each saying so in one line (``export_note``, ``import_note``). Only safetensors are
+read or written (never pickle).
 """
 
 from __future__ import annotations
@@ -94,10 +96,10 @@ def from_hf_state_dict(hf: dict[str, Tensor], args: Qwen3MoEArgs) -> dict[str, T
 def hf_config(args: Qwen3MoEArgs, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The ``config.json`` of a ``Qwen3MoeForCausalLM`` with these shapes (shared experts/sigmoid have none)."""
     m = args.moe
-    if m.num_shared_experts or m.score_func != "softmax" or m.route_scale != 1.0 or m.bias_update_rate > 0:
+    if m.num_shared_experts or m.score_func != "softmax" or m.route_scale != 1.0:
         raise ValueError(
-            "Qwen3-MoE on Hugging Face has softmax routing without shared experts, route scale "
-            "or expert bias; export a model with those options off"
+            "Qwen3-MoE on Hugging Face has softmax routing without shared experts or route scale; "
+            "export a model with those options off"
         )
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -145,11 +147,33 @@ def save_hf(
 
 # ---- the registry's HFAdapter (models/registry.py): init_from_hf and `lit-titan export` ------------------
 def check_hf_expressible(args: Qwen3MoEArgs, where: str) -> None:
-    """Refuse options Hugging Face's Qwen3-MoE cannot hold (shared experts, sigmoid scores, ...)."""
+    """ConfigError (one line) for options Hugging Face's Qwen3-MoE cannot hold (shared experts, sigmoid scores, ...)."""
+    from lit_titan.errors import ConfigError
+
     try:
         hf_config(args)
     except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def export_note(args: Qwen3MoEArgs) -> str | None:
+    """What an export leaves out, in one line: the expert bias only steers which experts are chosen,
+    and HF's router has no place for it, so dropping it keeps every weight exact."""
+    rate = args.moe.bias_update_rate
+    if rate <= 0:
+        return None
+    return (
+        f"model.moe.bias_update_rate={rate}: the expert bias is not exported (Hugging Face Qwen3-MoE has none; "
+        f"it selects experts by the router's scores alone)"
+    )
+
+
+def import_note(args: Qwen3MoEArgs) -> str | None:
+    """What ``init_from_hf`` cannot take from a HF directory, in one line: the expert bias starts at 0."""
+    rate = args.moe.bias_update_rate
+    if rate <= 0:
+        return None
+    return f"model.moe.bias_update_rate={rate}: the expert bias starts at 0 (a Hugging Face Qwen3-MoE has none)"
 
 
 def _hf_name(name: str) -> str:

@@ -78,6 +78,32 @@ def test_malformed_jsonl_line_anywhere_in_the_corpus(tmp_path):
     ), line
 
 
+def test_jsonl_records_without_the_text_key_name_the_key_to_set(tmp_path):
+    import json
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.jsonl").write_text("".join(json.dumps({"id": i, "content": "words " * 300}) + "\n" for i in range(9)))
+    line = _refused(tmp_path, ["data=text", f"data.path={docs}"], f"data.path={docs}: ")
+    assert line.endswith(
+        f"{docs / 'a.jsonl'}:1: records have no 'text' field (this one has ['content', 'id']); "
+        "set data.text_key=content to the field that holds the text"
+    ), line
+
+
+def test_text_not_in_the_encoding_is_refused_at_its_byte(tmp_path):
+    """A Latin-1 file anywhere in the corpus (not only the first read) is one line, never replacement characters."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("words " * 5000)
+    (docs / "b.txt").write_bytes("plain words, then café ".encode("latin-1") * 100)
+    line = _refused(tmp_path, ["data=text", f"data.path={docs}", "data.val_fraction=0"], f"data.path={docs}: ")
+    assert line.endswith(
+        f"{docs / 'b.txt'}: not utf-8 text at byte 21 (invalid continuation byte); set data.encoding to the "
+        "files' encoding (e.g. data.encoding=latin-1) or convert them to utf-8"
+    ), line
+
+
 def test_corpus_smaller_than_one_global_batch(tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,7 +25,7 @@ from lit_titan.data import (
     text_corpus,
     train_bpe_tokenizer,
 )
-from lit_titan.data.corpus import val_hash
+from lit_titan.data.corpus import Corpus, val_hash
 
 SMALL = 300_000
 TOK = {"kind": "bpe", "vocab_size": 1024}
@@ -353,6 +354,39 @@ def test_text_corpus_and_rebuild_on_change(tmp_path: Path) -> None:
     dm = PretrainDataModule(**kw)
     dm.prepare_data()
     assert dm.last_prepare_built and dm.shards_path() != old
+
+
+def test_documents_are_read_with_the_text_key_and_encoding_given(tmp_path: Path) -> None:
+    """data.text_key and data.encoding reach every reader (the check, the tokenizer, the shard workers), and
+    a corpus read another way is another cache entry; the default reading keeps the fingerprints it had."""
+    root = tmp_path / "docs"
+    root.mkdir()
+    with (root / "a.jsonl").open("w") as f:
+        for i in range(60):
+            f.write(json.dumps({"id": i, "content": f"Document {i}: crème brûlée {i * i}."}) + "\n")
+    (root / "b.txt").write_bytes("Un café, s'il vous plaît.\n".encode("latin-1") * 40)
+    default = Corpus("text", root.resolve(), tuple(sorted(root.resolve().iterdir())))
+    corpus = text_corpus(root, text_key="content", encoding="latin-1")
+    assert default.fingerprint != corpus.fingerprint != replace(corpus, encoding="cp1252").fingerprint
+    assert replace(corpus, text_key="text", encoding="utf-8").fingerprint == default.fingerprint
+    assert "Un café, s'il vous plaît." in list(corpus.iter_texts())[-1]
+
+    dm = PretrainDataModule(
+        corpus="text",
+        path=str(root),
+        text_key="content",
+        encoding="latin-1",
+        seq_len=16,
+        global_batch_size=2,
+        data_dir=str(tmp_path / "cache"),
+        tokenizer={"kind": "bpe", "vocab_size": 300},
+        max_bytes=None,
+        val_fraction=0.0,
+        shuffle=False,
+    )
+    dm.prepare_data()
+    text = dm.tokenizer.decode(torch.cat(batches(dm)).flatten().tolist())
+    assert "Document 7: crème brûlée 49." in text and "Un café" in text
 
 
 def test_bpe_tokenizer_cache(tmp_path: Path) -> None:

@@ -194,6 +194,14 @@ def test_changed_input_prepares_again(one_worker: Path, corpus: Path, cache: Pat
         (["out={out}", "chunk_tokens=-4"], "chunk_tokens=-4: must be a positive integer"),
         (["out={out}", "data.path={missing}"], "data.path"),
         (["out={out}", "data.path={no_text}"], "no .txt/.jsonl documents there"),
+        (
+            ["out={out}", "data.path={content_key}"],
+            r"a\.jsonl:1: records have no 'text' field \(this one has \['content'\]\); set data\.text_key=content ",
+        ),
+        (
+            ["out={out}", "data.path={latin1}"],
+            r"latin1\.txt: not utf-8 text at byte 3 \(invalid continuation byte\); set data\.encoding ",
+        ),
         (["out={out}", "data.tokenizer.vocab_size=100"], "data.tokenizer.vocab_size"),
         (["out={out}", "+data.nonsense=1"], "data.nonsense=1: not a config key"),
     ],
@@ -205,7 +213,13 @@ def test_bad_input_is_one_line_before_any_work(args: list[str], message: str, co
         "file": tmp_path / "a_file",
         "missing": tmp_path / "missing",
         "no_text": tmp_path / "no_text",
+        "content_key": tmp_path / "content_key",
+        "latin1": tmp_path / "latin1",
     }
+    for folder in ("content_key", "latin1"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "content_key" / "a.jsonl").write_text(json.dumps({"content": "words " * 50}) + "\n")
+    (tmp_path / "latin1" / "latin1.txt").write_bytes("café crème ".encode("latin-1") * 50)
     (tmp_path / "existing").mkdir()
     (tmp_path / "existing" / "keep.txt").write_text("mine")
     (tmp_path / "a_file").write_text("x")
