@@ -29,6 +29,7 @@ KEYS = (
     ("precision", "32-true | bf16-mixed | bf16-true (default: the cluster profile's)"),
     ("checkpoint.every_n_steps", "save a sharded checkpoint every N steps (0: at the end only)"),
     ("data.path", "your text or token shards (with data=text or data=tokens)"),
+    ("module._target_", "your PretrainModule subclass, package.module.Class (+module.ARG=VALUE: its own arguments)"),
 )
 
 EXAMPLES = {

@@ -129,6 +129,8 @@ class TrainSchema:  # conf/train.yaml: the job config (the `hydra:` node is Hydr
     tf32: bool = key()
     resume: str | None = key(check=non_empty_str)
     model: dict[str, Any] = key()  # typed per family: train_schema()
+    # {_target_: a PretrainModule class, its own arguments}: checked against its constructor (config/module_node.py)
+    module: dict[str, Any] = key()
     data: DataConfig = field(default_factory=DataConfig)  # what PretrainDataModule is built from
     optim: OptimConfig = field(default_factory=OptimConfig)  # what optim/build.py builds from
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # the Trainer's devices, the planner's facts

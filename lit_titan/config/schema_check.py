@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
+from lit_titan.config.module_node import check_module_node
 from lit_titan.config.schema import TARGET_SCHEMAS, TrainSchema, train_schema
 from lit_titan.errors import ConfigError, one_line
 
@@ -46,6 +47,8 @@ def check_schema(cfg: DictConfig) -> None:
             check_target_node(node, f"{group}.{name}")
     if data.get("profiler") is not None:
         check_target_node(data["profiler"], "profiler")
+    if "module" in data:
+        check_module_node(data["module"])
 
 
 def schema_for(data: dict[str, Any]) -> type:
@@ -205,6 +208,11 @@ def compose_error_line(text: str, overrides: list[str], options: Callable[[str],
     if missing:
         key = missing.group(1)
         given = next((o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), key)
+        if key.split(".")[0] == "module":  # the module's own arguments are the user's keys, added with +
+            return (
+                f"{given}: not set in conf/train.yaml; add the module's own constructor arguments with a +: "
+                f"module._target_=package.module.Class +module.<argument>=VALUE"
+            )
         return (
             f"{given}: {key} is not a config key; check its spelling (python -m lit_titan.train --cfg job lists "
             f"every key); a new key needs a yaml line and one line in {declared_in(TrainSchema, key)} "

@@ -154,12 +154,13 @@ def build_datamodule(cfg: DictConfig, spec: JobSpec) -> Any:
 
 
 def build_module(cfg: DictConfig, spec: JobSpec | None = None) -> Any:
-    """The PretrainModule of the ``model``, ``optim``, ``loss`` and ``seed`` keys, with ``spec``'s micro-batch (the
-    step runner's)."""
+    """The ``module`` node's class (``PretrainModule`` or the user's subclass) built from the ``model``, ``optim``,
+    ``loss`` and ``seed`` keys, ``spec``'s micro-batch (the step runner's) and the node's own arguments."""
+    from lit_titan.config.module_node import module_arguments, module_class, module_node
     from lit_titan.config.spec import model_overrides
-    from lit_titan.module import PretrainModule
 
-    return PretrainModule(
+    node = module_node(cfg)
+    return module_class(node["_target_"])(
         model=cfg.model.name,
         model_overrides=model_overrides(cfg),
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
@@ -167,6 +168,7 @@ def build_module(cfg: DictConfig, spec: JobSpec | None = None) -> Any:
         init_from_hf=cfg.model.get("init_from_hf"),
         loss_chunk_tokens=settings_group(cfg, "loss", LossConfig).chunk_tokens,
         step_micro_batch=spec.batch.micro if spec is not None else None,
+        **module_arguments(node),
     )
 
 

@@ -22,8 +22,8 @@ def _flatten(node, prefix: str = "") -> dict:
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             out.update(_flatten(value, name + "."))
-        elif not str(key).startswith("_"):  # _target_: the class, not a setting
-            out[name] = value
+        elif not str(key).startswith("_") or name == "module._target_":  # _target_: the class, not a setting
+            out[name] = value  # (but module._target_ is one: which class trains)
     return out
 
 

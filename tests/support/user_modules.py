@@ -1,10 +1,13 @@
-"""Users' ``PretrainModule`` subclasses, trained as layouts by the parity tests (tests/parity/test_user_loss.py).
+"""Users' ``PretrainModule`` subclasses, trained as layouts by the parity tests (tests/parity/test_user_loss.py)
+and named on the command line by ``module._target_=user_modules.NAME`` (tests/support is on sys.path).
 
 A world runs one through ``parity.train_user_case``, which hands the job this class in place of
-``PretrainModule`` for the case (the command line has no module key yet).
+``PretrainModule`` for the case.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,3 +42,14 @@ class SmoothedLoss(PretrainModule):
 
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), label_smoothing=0.1)
+
+
+class ScaledLoss(PretrainModule):
+    """A subclass with a constructor argument of its own (``+module.scale=2.0``): the default loss times ``scale``."""
+
+    def __init__(self, scale: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.scale = scale
+
+    def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.scale * super().compute_loss(logits, labels)
