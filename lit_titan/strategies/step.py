@@ -124,9 +124,7 @@ class StepRunner:
                 [lambda x=x, y=y, kw=kw: forward(x, y, **kw) for x, y, kw in parts],
                 self.strategy.batch_group,
             )
-        if work is not None:
-            work.wait()
-        factor = self.average_divisor() / total.to(torch.float64)
+        factor, pending = self._factor(module, total, work)
         try:
             for j, (x, y, kw) in enumerate(parts):
                 with self._no_sync(last=j == len(parts) - 1):
@@ -135,8 +133,31 @@ class StepRunner:
                 # what record_train_loss averages over micro-batches and ranks: the step's normalised loss
                 module.record_train_loss(loss * len(parts), whole)
         finally:
+            if pending is not None:
+                pending.remove()
             forget_step_counts(module.model)
         return module.step_mean_loss
+
+    def _factor(self, module: Any, total: Tensor, work: Any) -> tuple[Tensor, Any]:
+        """The normaliser's factor, and the hook that fills it in: without pp, the count's all-reduce is waited for
+        when the model's forward starts (its wait falls inside the model, at its first collective: the time before a
+        forward must not synchronise ranks, which the straggler report relies on); the schedule's stages are other
+        modules, so under pp it is waited for here."""
+        divisor = self.average_divisor()
+        if self.strategy.pipeline is not None:
+            if work is not None:
+                work.wait()
+            return divisor / total.to(torch.float64), None
+        factor = torch.empty((), dtype=torch.float64, device=total.device)
+
+        def fill(*_: Any) -> None:
+            if work is not None:
+                work.wait()
+            factor.copy_(divisor / total.to(torch.float64))
+            handle.remove()
+
+        handle = module.model.register_forward_pre_hook(fill)
+        return factor, handle
 
     def train_part(
         self,
