@@ -123,10 +123,7 @@ def _pp_scale(p: _Patcher) -> None:
 def _per_rank_mean(p: _Patcher) -> None:
     from lit_titan.strategies.step import StepRunner
 
-    def global_count(self, module, parts, async_op=False):
-        return torch.stack([module.count_targets(y) for _, y, _ in parts]).sum(), None
-
-    p.set(StepRunner, "global_count", global_count)
+    _count_one_rank(p)
     p.set(StepRunner, "average_divisor", lambda self: 1)
 
 
