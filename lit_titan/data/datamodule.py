@@ -184,7 +184,12 @@ class PretrainDataModule(L.LightningDataModule):
         return getattr(self._strategy(), "replica_step", None) is not None
 
     def _whole_steps(self) -> bool:
-        return bool(getattr(self._strategy(), "runs_steps", False))
+        strategy = self._strategy()
+        if strategy is None:
+            return False
+        from lit_titan.strategies.contract import contract
+
+        return contract(strategy).runs_steps
 
     @property
     def step_micro_batch_size(self) -> int | None:

@@ -56,7 +56,7 @@ def dump(hang_dir: Path, rank: int) -> tuple[Path | None, list[dict[str, Any]]]:
                 entries = json.loads(c10d._dump_nccl_trace_json()).get("entries", [])
             return path, last_collectives(entries)
         if hasattr(c10d, "_dump_fr_trace_json"):
-            text = c10d._dump_fr_trace_json(backend="gloo")
+            text = _gloo_trace_json(c10d)
             text = text.decode() if isinstance(text, bytes) else text
             path = hang_dir / f"fr-trace-rank{rank}.json"
             path.write_text(text)
@@ -64,6 +64,14 @@ def dump(hang_dir: Path, rank: int) -> tuple[Path | None, list[dict[str, Any]]]:
     except Exception:  # noqa: BLE001 - diagnostics only
         pass
     return None, []
+
+
+def _gloo_trace_json(c10d: Any) -> str | bytes:
+    """The gloo buffer as JSON: some torch versions take the backend by name, others (2.14) no argument."""
+    try:
+        return c10d._dump_fr_trace_json(backend="gloo")
+    except TypeError:
+        return c10d._dump_fr_trace_json()
 
 
 def last_collectives(entries: list[dict[str, Any]], n: int = 3) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@
 Run as a script: Lightning's launcher re-runs it for the other ranks.
 Usage: count_reduce_scatter.py DEVICES MICRO_BATCH OUT_JSON [GRAD_REDUCE_SCATTER [DP_REPLICATE]]
 
-Writes (rank 0) the reduce-scatters and all-reduces issued from FSDP's own code, the optimizer
+Writes (rank 0) the reduce-scatters and all-reduces issued from FSDP's own code, the step runner's
+all-reduces of the valid-target count (``strategies/step.py``), the optimizer
 steps, the accumulation and the number of FSDP parameter groups (one reduce-scatter each per
 reduction), so a test can state the expected counts exactly.
 """
@@ -29,19 +30,21 @@ def main(argv: list[str] | None = None) -> None:
     devices, micro, out = int(argv[0]), int(argv[1]), argv[2]
     mode = argv[3] if len(argv) > 3 else "every_microbatch"
     replicate = int(argv[4]) if len(argv) > 4 else 1
-    calls = {"reduce_scatters": 0, "all_reduces": 0}
+    calls = {"reduce_scatters": 0, "all_reduces": 0, "step_count_all_reduces": 0}
     depth = {"n": 0}
 
     def counted(original, key):
         def counting(*args, **kwargs):  # the real collective, counted once even if it calls another
             caller = sys._getframe(1).f_code.co_filename
-            outer = depth["n"] == 0 and "fsdp" in caller  # issued by FSDP itself, not a wrapper
+            outer = depth["n"] == 0  # the collective itself, not one it calls
+            by = key if "fsdp" in caller else "step_count_all_reduces" if caller.endswith("step.py") else None
             depth["n"] += 1
             try:
                 return original(*args, **kwargs)
             finally:
                 depth["n"] -= 1
-                calls[key] += int(outer)
+                if outer and by is not None:
+                    calls[by] += 1
 
         return counting
 
