@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from lit_titan.data.documents import crossing_labels, document_ids, document_positions
 from lit_titan.data.mixture import Blend
@@ -173,7 +173,19 @@ class RankMicroBatches(Dataset):
         return out
 
 
-class StepSampler(Sampler[int]):
+class _RankAware(DistributedSampler):
+    """A sampler of a loader that already gives each rank its own rows (``RankMicroBatches``).
+
+    Lightning's ``use_distributed_sampler`` (on by default) wraps every other sampler in a ``DistributedSampler``,
+    which would deal whole steps out to the ranks: each rank would train the rows of other steps, silently. It
+    leaves a ``DistributedSampler`` alone, so these are one; the base's state (replicas, shuffling) is unused.
+    """
+
+    def __init__(self) -> None:  # the base's dataset and replicas do not apply
+        self.epoch = 0
+
+
+class StepSampler(_RankAware):
     """Micro-batch indices of one Lightning epoch: ``[epoch * length, (epoch + 1) * length)``, from ``first`` on.
 
     Lightning calls :meth:`set_epoch` with the (restored) epoch before each pass, and on a
@@ -183,8 +195,8 @@ class StepSampler(Sampler[int]):
     """
 
     def __init__(self, first: int, length: int) -> None:
+        super().__init__()
         self.first, self.length = int(first), int(length)
-        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -197,10 +209,11 @@ class StepSampler(Sampler[int]):
         return self.length
 
 
-class FixedSampler(Sampler[int]):
+class FixedSampler(_RankAware):
     """The same indices every pass (validation)."""
 
     def __init__(self, indices: range) -> None:
+        super().__init__()
         self.indices = indices
 
     def __iter__(self):  # noqa: ANN204

@@ -109,9 +109,11 @@ def train(cfg: DictConfig, callbacks: list | None = None, spec: JobSpec | None =
     # Lightning picks MASTER_ADDR/PORT for a job it launches and leaves them in this process; a later
     # in-process run (notebooks, tests) must pick its own, or it may meet a port an earlier store holds.
     own_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    strategy = trainer.strategy
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     finally:
+        strategy.release_process_group()  # the job is done with its Trainer (the strategy keeps it for re-entry)
         for key, value in own_env.items():
             if value is None:
                 os.environ.pop(key, None)

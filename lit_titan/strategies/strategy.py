@@ -102,6 +102,11 @@ class TitanStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        if not save_distributed_checkpoint:
+            raise ValueError(
+                "TitanStrategy(save_distributed_checkpoint=False): checkpoints are sharded (DCP, resharded into "
+                "any layout on load); for the weights as safetensors run `lit-titan export CHECKPOINT_DIR OUT_DIR`"
+            )
         unknown = sorted(set(settings) - {f.name for f in fields(ParallelConfig)})
         if unknown:
             raise TypeError(
@@ -146,8 +151,11 @@ class TitanStrategy(ModelParallelStrategy):
         self.checkpoint_writer = CheckpointWriter()
         # Under torchrun: which attempt this is, agreed by every node (None: not started by torchrun).
         self.restart_attempt: int | None = None
-        # Whether setup_environment started the process group (then teardown destroys it).
+        # Whether setup_environment started the process group (then release_process_group destroys it).
         self._owns_process_group = False
+        # The model this strategy parallelised and filled: a Trainer back for validate/test/predict after fit
+        # finds it in the module and keeps it, trained weights, mesh and groups (setup, setup_environment).
+        self._made_model: nn.Module | None = None
         # fault_tolerance.enabled: each replica group is its own world; this runs the step across them.
         self.fault_tolerance = fault_tolerance or FaultToleranceConfig()
         self.replica_step: Any = None
@@ -305,12 +313,13 @@ class TitanStrategy(ModelParallelStrategy):
         if self.root_device.type == "cpu":
             # N processes on one host share its cores (OMP_NUM_THREADS wins); else each takes them all.
             torch.set_num_threads(cpu_threads(self.num_processes))
-        self._owns_process_group = not torch.distributed.is_initialized()
+        self._owns_process_group = self._owns_process_group or not torch.distributed.is_initialized()
         self._setup_distributed()
         from lit_titan.observe import peer_exit
 
         peer_exit.remember(self.global_rank, self.world_size, self._launcher)  # for the line if a peer dies
-        self.init_layout(self.parallel_dims, self.root_device.type)
+        if not self._reentered():  # the made model's DTensors hold the mesh it was parallelised over
+            self.init_layout(self.parallel_dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -379,9 +388,17 @@ class TitanStrategy(ModelParallelStrategy):
         if dims.cp > 1:
             self.context_parallel = ContextParallel(self._device_mesh["cp"].get_group(), self.parallel.cp_mode)
 
+    def _reentered(self) -> bool:
+        """The Trainer is back (validate/test/predict or a save after fit) with the model this strategy made."""
+        module = self.lightning_module
+        return self._made_model is not None and module is not None and module.model is self._made_model
+
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        if self._reentered():  # its trained weights, not a second parallelisation and a fresh init
+            self._finish_setup(trainer)
+            return
         module = module_contract(self.lightning_module)
         model = module.model
         if not isinstance(model, nn.Module):
@@ -412,6 +429,10 @@ class TitanStrategy(ModelParallelStrategy):
             # FSDP's MixedPrecisionPolicy already computes in bf16 with fp32 master weights and
             # reductions; Lightning's autocast on top would only add casts.
             self.precision_plugin = Precision()
+        self._made_model = model
+        self._finish_setup(trainer)
+
+    def _finish_setup(self, trainer: pl.Trainer) -> None:
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -501,11 +522,19 @@ class TitanStrategy(ModelParallelStrategy):
             self.replica_step.close()
         super().teardown()
         self._restore_matmul_precision()  # an in-process fit leaves torch as it found it
-        # An in-process fit (notebook, Python API) must not leave its process group behind: the
-        # next fit, the planner's fake group or a data pipeline would take it for a live job.
+        if self.replica_step is not None:  # each replica group's world is its own: no re-entry (fault_tolerance/)
+            self.release_process_group()
+        # Otherwise the process group lives on, as under Lightning's strategies: the made model's groups serve
+        # validate/test/predict and save_checkpoint after fit. Whoever is done with the Trainer releases it.
+
+    def release_process_group(self) -> None:
+        """Destroy the process group this strategy started, once its Trainer is done (``lit_titan.train`` calls
+        it after fit): an in-process run (notebook, Python API) must not leave it behind, or the next fit, the
+        planner's fake group or a data pipeline would take it for a live job. No-op for a group it found."""
+        self._made_model = None
         if self._owns_process_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-            self._owns_process_group = False
+        self._owns_process_group = False
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -619,6 +648,8 @@ class TitanStrategy(ModelParallelStrategy):
             self.checkpoint_writer.save(
                 state, checkpoint, path, rank=self.global_rank, world_size=self.world_size, barrier=self.barrier
             )
+        if not self.lightning_module.trainer.training:  # trainer.save_checkpoint outside fit: written on return
+            self.checkpoint_writer.wait()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The live sharded model state, not Lightning's CPU copy (``cpu_offload=True``).
@@ -626,8 +657,6 @@ class TitanStrategy(ModelParallelStrategy):
         The checkpoint writer copies it once, into reused pinned buffers; a CPU copy here would be
         a second, unpinned and synchronous one (seconds per save at 8B scale: docs/benchmarks.md, "Checkpoint stalls").
         """
-        if not self._save_distributed_checkpoint:
-            return super().lightning_module_state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         assert self.model is not None
@@ -635,8 +664,6 @@ class TitanStrategy(ModelParallelStrategy):
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The live sharded optimizer state (see :meth:`lightning_module_state_dict`)."""
-        if not self._save_distributed_checkpoint:
-            return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         assert self.model is not None

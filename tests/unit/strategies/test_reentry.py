@@ -1,0 +1,36 @@
+"""A Trainer back after fit keeps the trained model: validate and save_checkpoint on the same Trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one_process", "dp2"])
+def test_validate_after_fit_sees_the_trained_weights(ranks, tmp_path, worlds):
+    """The validation after fit equals the one at fit's last step (same weights, same batches), and the Trainer
+    saves a checkpoint after fit (its process group still lives)."""
+    out = tmp_path / "reentry.pt"
+    worlds.run(ranks, "scripts.reentry:main", str(out))
+    got = torch.load(out, weights_only=True)
+    assert got["saved"], got
+    assert got["after_fit"] == pytest.approx(got["in_fit"], rel=1e-6), got
+
+
+@pytest.mark.slow
+def test_validate_after_fit_mutant_evaluates_fresh_weights(tmp_path, worlds):
+    """The check can fail: with the re-entry undone the model is initialised again and the loss moves far."""
+    out = tmp_path / "fresh.pt"
+    worlds.run(1, "scripts.reentry:main", str(out), True)
+    got = torch.load(out, weights_only=True)
+    print(f"validation after fit with fresh weights: {got}")
+    assert abs(got["after_fit"] - got["in_fit"]) > 1e3 * 1e-6 * got["in_fit"], got
+
+
+def test_a_single_file_checkpoint_is_refused_in_one_line():
+    """Lightning's ``save_distributed_checkpoint=False`` would be ignored (a sharded directory written anyway)."""
+    from lit_titan import TitanStrategy
+
+    with pytest.raises(ValueError, match="save_distributed_checkpoint=False.*lit-titan export"):
+        TitanStrategy(save_distributed_checkpoint=False)
