@@ -54,6 +54,18 @@ def _known_warnings_only():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A test that fits its own Trainer in this process is done with it at its end: the strategy keeps its
+    process group for the Trainer's return (validate after fit), so the test's end releases it, as
+    ``lit_titan.train.main`` does, or the next test (the planner's fake group) would meet it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shared_data_cache(tmp_path_factory):
     """One tokenizer + token cache for the whole session (subprocesses inherit the variable)."""
