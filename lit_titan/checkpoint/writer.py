@@ -61,6 +61,7 @@ from lit_titan.checkpoint.layout import (
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    checkpoint_step,
     merge_checksums,
     partial_path,
     prune,
@@ -256,7 +257,7 @@ class CheckpointWriter:
         error, to_prune = None, []
         if rank == 0:
             try:
-                if final.exists():
+                if final.exists() and checkpoint_step(final) is not None:
                     raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
                 plan = disk.plan_save(final.parent, final.name, need, self.keep_last)
                 error = plan.error
@@ -398,9 +399,24 @@ class CheckpointWriter:
             validate(staging, staged=True)
         except CheckpointError as err:
             raise CheckpointError(f"the written checkpoint failed validation: {err}") from None
+        replaced = _set_aside(final)
         staging.rename(final)
         _fsync_dir(final.parent)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
         prune(final.parent, self.keep_last)
+
+
+def _set_aside(final: Path) -> Path | None:
+    """A name that is not a step's (Lightning's ``last.ckpt``, a path given to ``trainer.save_checkpoint``) is
+    overwritten, as Lightning overwrites its files: the old checkpoint is renamed aside until the new one is in
+    place, so a crash between the two renames leaves it on disk (``<name>.replaced``), never neither."""
+    if not final.exists():
+        return None
+    aside = final.with_name(final.name + ".replaced")
+    shutil.rmtree(aside, ignore_errors=True)
+    final.rename(aside)
+    return aside
 
 
 def _nonfinite_message(staging: Path, key: str, rank: int) -> str:

@@ -1,8 +1,9 @@
 """A Trainer back after ``fit``: ``trainer.validate`` and ``trainer.save_checkpoint`` on the same Trainer.
 
 ``main(out, fresh_weights=False)`` trains 3 steps of the tiny Llama with the Python API, validating at the last
-step, then validates again on the same Trainer and saves a checkpoint with it. Saves both validation losses and
-whether the save wrote a checkpoint (tests/unit/strategies/test_reentry.py). ``fresh_weights`` undoes the
+step, then validates again on the same Trainer and saves a checkpoint with it; Lightning's ``ModelCheckpoint`` saves
+every step with ``save_last=True``. Saves both validation losses, whether the save wrote a checkpoint and what
+the checkpoint folder holds (tests/unit/strategies/test_lightning_conventions.py). ``fresh_weights`` undoes the
 re-entry (the strategy parallelises and initialises the model again), the bug the test must catch.
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_titan import PretrainModule, TitanStrategy
 from lit_titan.data import PretrainDataModule
@@ -45,7 +47,7 @@ def main(out: str, fresh_weights: bool = False) -> None:
         strategy=strategy,
         precision="32-true",
         logger=False,
-        enable_checkpointing=False,
+        callbacks=[ModelCheckpoint(dirpath=Path(out).parent / "ckpt", every_n_train_steps=1, save_last=True)],
         enable_progress_bar=False,
         enable_model_summary=False,
     )
@@ -55,4 +57,5 @@ def main(out: str, fresh_weights: bool = False) -> None:
     ckpt = Path(out).with_suffix(".ckpt")
     trainer.save_checkpoint(ckpt)
     if trainer.global_rank == 0:
-        torch.save({"in_fit": in_fit, "after_fit": after, "saved": ckpt.exists()}, out)
+        kept = sorted(p.name for p in (Path(out).parent / "ckpt").iterdir())
+        torch.save({"in_fit": in_fit, "after_fit": after, "saved": ckpt.exists(), "kept": kept}, out)

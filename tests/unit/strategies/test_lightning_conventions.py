@@ -1,9 +1,12 @@
-"""A Trainer back after fit keeps the trained model: validate and save_checkpoint on the same Trainer."""
+"""Lightning's conventions under TitanStrategy: a Trainer back after fit keeps the trained model (validate and
+save_checkpoint on the same Trainer), and ModelCheckpoint's ``save_last`` overwrites ``last.ckpt``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from lit_titan.checkpoint.layout import META_FILE
 
 
 @pytest.mark.slow
@@ -16,6 +19,10 @@ def test_validate_after_fit_sees_the_trained_weights(ranks, tmp_path, worlds):
     got = torch.load(out, weights_only=True)
     assert got["saved"], got
     assert got["after_fit"] == pytest.approx(got["in_fit"], rel=1e-6), got
+    # save_top_k=1 keeps the newest step; last.ckpt was replaced at each step, nothing set aside is left
+    assert got["kept"] == ["epoch=0-step=3.ckpt", "last.ckpt"], got
+    meta = torch.load(tmp_path / "ckpt" / "last.ckpt" / META_FILE, weights_only=False)
+    assert meta["global_step"] == 3, meta.keys()
 
 
 @pytest.mark.slow
