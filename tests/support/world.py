@@ -55,8 +55,14 @@ _READY_TIMEOUT_S = 300
 # core of the 2-core machine, load average 220-390, the suite 45.6 min instead of ~28. So a world
 # whose ranks hold more threads than this is replaced before its next case. A fit adds about 27
 # threads per rank (9 groups) and a 4-process world starts in about 8.5 s: at 400 a world is
-# replaced every ~14 fits, while its groups never drain more than ~0.2 core.
+# replaced every ~14 fits, while its groups never drain more than ~0.2 core. The budget is per world
+# (ranks x threads): an 8-process world idles on twice the threads of a 4-process one at the same count.
 MAX_THREADS = 400
+MAX_WORLD_THREADS = 4 * MAX_THREADS
+# A world not used for this long is closed when another is asked for: measured in a CI run, an 8-process
+# world kept for the rest of the session after its few cases held 243 threads per rank at 6.5% of a core
+# each (about half of the 2-core machine, for half an hour), against ~10 s to start one again.
+WORLD_IDLE_S = 60.0
 
 
 @dataclass
@@ -102,6 +108,7 @@ class World:
             p.start()
         self._cases = 0
         self._collect("ready", _READY_TIMEOUT_S)
+        self.last_used = time.monotonic()
 
     @property
     def alive(self) -> bool:
@@ -128,7 +135,10 @@ class World:
         case = f"case-{self._cases:04d}"
         for inbox in self._inboxes:
             inbox.put((case, target, args))
-        replies = self._collect(case, timeout)
+        try:
+            replies = self._collect(case, timeout)
+        finally:
+            self.last_used = time.monotonic()
         output = (self.log_dir / f"{case}-rank0.log").read_text(errors="replace")
         self._check_noise(case, allow_noise)
         return CaseResult(replies[0][1], output)
@@ -203,8 +213,11 @@ class Worlds:
         self._worlds: dict[int, World] = {}
 
     def get(self, size: int) -> World:
+        now = time.monotonic()
+        for other in [n for n, w in self._worlds.items() if n != size and now - w.last_used > WORLD_IDLE_S]:
+            self._worlds.pop(other).close()  # see WORLD_IDLE_S
         world = self._worlds.get(size)
-        if world is not None and world.alive and world.threads() > MAX_THREADS:
+        if world is not None and world.alive and world.threads() * size > MAX_WORLD_THREADS:
             world.close()  # see MAX_THREADS: a fresh world costs a few seconds, the old one a core
         if world is None or not world.alive:
             world = self._worlds[size] = World(size)
