@@ -16,7 +16,9 @@ from lit_titan.observe.redact import redact, secrets_of
 __all__ = ["archive_metrics", "continue_command", "resolve_resume"]
 
 
-def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] | None = None) -> str | None:
+def resolve_resume(
+    resume: str | None, run_dir: Path, expected: dict[str, Any] | None = None, *, rejoins: bool = False
+) -> str | None:
     """The checkpoint to resume from, checked before any process or model is built.
 
     ``auto``: the newest checkpoint in ``<run_dir>/checkpoints`` that passes validation (damaged
@@ -26,14 +28,23 @@ def resolve_resume(resume: str | None, run_dir: Path, expected: dict[str, Any] |
     page cache shares the reads): each rank must reach the same verdict on its own, as torchrun's
     ranks decide at the same time and a rank that resumed while another started fresh would hang.
     ``expected``: the config keys the checkpoint must have been saved with (``checkpoint.compat``).
+    No ``resume`` with checkpoints in ``run_dir`` is refused (a second run into it, e.g. a notebook cell run
+    again), unless the process ``rejoins`` a running job (a replica group started again takes a peer's state).
     """
     from lit_titan.checkpoint import CheckpointError, latest_valid, published, set_aside, validate
     from lit_titan.checkpoint.compat import check_compatible
     from lit_titan.checkpoint.layout import CHECKSUMS, checkpoint_step
 
-    if not resume:
-        return None
     own = run_dir / "checkpoints"
+    if not resume:
+        kept = published(own)
+        # a fresh start would train again and then fail at its first save: say so before any work
+        if kept and not rejoins:
+            raise CheckpointError(
+                f"run_dir {run_dir} already holds checkpoints (newest {kept[-1].name}) and resume is not set; "
+                f"continue that run with resume=auto, or pass a new run_dir="
+            )
+        return None
     if str(resume) == "auto":
         ckpt, skipped = latest_valid(own, verify=True)
         for path, reason in skipped:

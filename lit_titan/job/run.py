@@ -77,7 +77,8 @@ def train(cfg: DictConfig, callbacks: list | None = None, spec: JobSpec | None =
     from lit_titan.checkpoint.compat import fingerprint
 
     run_keys = fingerprint(args, spec.seq_len)
-    resume = resolve_resume(cfg.resume, run_dir, run_keys)
+    rejoins = bool((cfg.get("fault_tolerance") or {}).get("enabled"))
+    resume = resolve_resume(cfg.resume, run_dir, run_keys, rejoins=rejoins)
     OmegaConf.update(cfg, "run_dir", str(run_dir))
     if is_launcher_rank_zero():
         run_dir.mkdir(parents=True, exist_ok=True)

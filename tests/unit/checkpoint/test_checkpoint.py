@@ -255,6 +255,18 @@ def test_no_entry_is_unpickled_and_every_file_is_checksummed(reference, tmp_path
     assert resolve_resume(str(ckpts / "step-000010"), tmp_path / "run2") == str(ckpts / "step-000010")
 
 
+def test_a_fresh_run_into_a_run_dir_with_checkpoints_is_refused_before_any_work(reference, tmp_path):
+    """A second run into the same run_dir without resume (a notebook cell run again) would train and then fail at
+    its first save; a replica group started again rejoins without resume, by design."""
+    from lit_titan.job.resume import resolve_resume
+
+    _copy(reference, tmp_path)
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(newest step-000020\).*resume=auto"):
+        resolve_resume(None, tmp_path)
+    assert resolve_resume(None, tmp_path, rejoins=True) is None
+    assert resolve_resume(None, tmp_path / "elsewhere") is None
+
+
 @pytest.mark.parametrize("override", [("model.dim", 128), ("model.vocab_size", 1024), ("data.seq_len", 64)])
 def test_resume_of_another_model_is_refused_naming_the_key(reference, tmp_path, override):
     from lit_titan.checkpoint.compat import fingerprint
