@@ -59,9 +59,9 @@ _READY_TIMEOUT_S = 300
 # (ranks x threads): an 8-process world idles on twice the threads of a 4-process one at the same count.
 MAX_THREADS = 400
 MAX_WORLD_THREADS = 4 * MAX_THREADS
-# A world not used for this long is closed when another is asked for: measured in a CI run, an 8-process
-# world kept for the rest of the session after its few cases held 243 threads per rank at 6.5% of a core
-# each (about half of the 2-core machine, for half an hour), against ~10 s to start one again.
+# A world not used for this long is closed when another is asked for: measured (top) in a CI run, an idle
+# 8-process world kept for the rest of the session after its few cases held 243 threads per rank at 5.3% of
+# a core each (about 0.4 core of the 2-core machine, for half an hour), against the seconds a start costs.
 WORLD_IDLE_S = 60.0
 
 
