@@ -47,6 +47,15 @@ def clip_grads_with_norm_(params: Iterable[Tensor], max_norm: float, total_norm:
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
 
 
+def clip_grad_norm_(params: Iterable[Tensor], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over gradients on several meshes and plain ones (torch's refuses the mix,
+    which tensor parallelism of only some modules gives); returns the total norm before clipping."""
+    params = list(params)
+    norm = total_grad_norm(params)
+    clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 def _by_grad_mesh(params: Iterable[Tensor]) -> dict[object, list[Tensor]]:
     """Parameters with a gradient, grouped by the gradient's DTensor mesh (None: plain tensors)."""
     from torch.distributed.tensor import DTensor

@@ -4,6 +4,8 @@ Extends Lightning's ``ModelParallelStrategy`` (2-D, user-parallelised) with:
 - a 5-D mesh (pp, dp_replicate, dp_shard, cp, tp) validated before any process-group work;
 - parallelisation in one fixed order from the model family's ``ParallelPlan``
   (TP/SP -> CP -> EP -> activation checkpointing -> compile -> FSDP/HSDP), then seeded materialisation;
+- a plain ``LightningModule`` (not a ``PretrainModule``) trained as Lightning's own strategy trains it: its
+  ``configure_model`` parallelises over a mesh with Lightning's dim names, its hooks run as written;
 - reductions over the data-parallel group (not the world); under gradient accumulation FSDP
   reduce-scatters every micro-batch (gradients stay sharded) and HSDP defers only its replicate
   all-reduce (``grad_reduce_scatter``); loss-parallel contexts spanning forward and backward.
@@ -26,6 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lit_titan.checkpoint import CheckpointWriter, load_sharded
 from lit_titan.fault_tolerance.settings import FaultToleranceConfig
@@ -45,6 +48,7 @@ from lit_titan.strategies.fsdp import (
     fsdp_modules,
     mixed_precision_for,
 )
+from lit_titan.strategies.grad_norm import clip_grad_norm_
 from lit_titan.strategies.host_threads import cpu_threads
 from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
 from lit_titan.strategies.parallel_plan import ParallelPlan
@@ -89,10 +93,14 @@ class TitanStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         fault_tolerance: FaultToleranceConfig | None = None,
+        data_parallel_size: int | str | None = None,
+        tensor_parallel_size: int | str | None = None,
         **settings: Any,
     ) -> None:
         """``parallel``: the degrees and parallel settings (the config's ``parallel`` group); any of its
         fields may also be given by name (``TitanStrategy(tp=2)``), overriding ``parallel``'s.
+        ``data_parallel_size``/``tensor_parallel_size``: Lightning's ``ModelParallelStrategy`` names for
+        ``dp_shard``/``tp``, so a Lightning script swaps the class and keeps its arguments.
         ``dims``: degrees already resolved and checked (a ``JobSpec``'s), used as they are.
         ``fault_tolerance``: replica-group fault tolerance (``lit_titan/fault_tolerance/lightning_step.py``)."""
         super().__init__(
@@ -113,6 +121,9 @@ class TitanStrategy(ModelParallelStrategy):
                 f"TitanStrategy got unknown argument(s) {unknown}; the parallel settings are "
                 f"{[f.name for f in fields(ParallelConfig)]}"
             )
+        for name, size in (("dp_shard", data_parallel_size), ("tp", tensor_parallel_size)):
+            if size is not None and size != "auto":  # "auto": this strategy's default (FSDP over every rank)
+                settings.setdefault(name, int(size))
         p = replace(parallel or ParallelConfig(), **settings)
         self.parallel = p
         self._degrees = p.degrees
@@ -146,6 +157,8 @@ class TitanStrategy(ModelParallelStrategy):
         self.stage_ids: list[int] = [0]
         self.num_stages = 1
         self.mesh_views: dict = {}
+        # A plain LightningModule's mesh: (data_parallel, tensor_parallel), Lightning's names for its configure_model.
+        self._lightning_mesh: Any = None
         # Sharded, async, atomically published checkpoints (lit_titan.checkpoint); the
         # Checkpointing callback decides when to save and configures it.
         self.checkpoint_writer = CheckpointWriter()
@@ -183,6 +196,7 @@ class TitanStrategy(ModelParallelStrategy):
                 )
             return self._replica_group_dims(self._resolved_dims)
         dims = ParallelDims.resolve(world, **self._degrees)
+        self._check_plain_layout(dims)
         args = module_contract(self.lightning_module).model_args
         data = self.lightning_module.trainer.datamodule if self.lightning_module is not None else None
         dims.validate(
@@ -195,6 +209,25 @@ class TitanStrategy(ModelParallelStrategy):
 
             dims.validate_experts(num_experts(args))
         return self._replica_group_dims(dims)
+
+    def _plain(self) -> bool:
+        """The module is a plain LightningModule: it parallelises itself and owns its steps (Lightning's way)."""
+        return self.lightning_module is not None and not isinstance(self.lightning_module, ModuleContract)
+
+    def _check_plain_layout(self, dims: ParallelDims) -> None:
+        """Pipeline, context and expert parallelism and fault tolerance run the step through a ``PretrainModule``'s
+        override points; a plain module gets data and tensor parallelism, refused otherwise before any work."""
+        if not self._plain():
+            return
+        asked = {k: v for k, v in (("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)) if v > 1}
+        if self.fault_tolerance.enabled:
+            asked["fault_tolerance"] = 1
+        if asked:
+            what = ", ".join(f"{k}={v}" for k, v in asked.items())
+            raise LayoutError(
+                f"{type(self.lightning_module).__name__} is a plain LightningModule: TitanStrategy gives it data and "
+                f"tensor parallelism (its configure_model applies them); {what} needs a lit_titan.PretrainModule"
+            )
 
     def _replica_group_dims(self, dims: ParallelDims) -> ParallelDims:
         """``dims`` as they are; under fault tolerance those of one replica group (its own world)."""
@@ -267,6 +300,11 @@ class TitanStrategy(ModelParallelStrategy):
         return self._device_mesh["cp"].get_group()
 
     @property
+    def device_mesh(self) -> Any:
+        """Lightning's: for a plain module the (data_parallel, tensor_parallel) mesh its configure_model uses."""
+        return self._lightning_mesh if self._lightning_mesh is not None else super().device_mesh
+
+    @property
     def mesh(self) -> Any:
         """The 5-D DeviceMesh once ``init_layout`` ran, else None (Lightning's ``device_mesh`` asserts)."""
         return self._device_mesh
@@ -303,7 +341,14 @@ class TitanStrategy(ModelParallelStrategy):
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
-        self._absorb_accumulation()
+        module = self.lightning_module
+        if isinstance(module, ModuleContract) and not module.automatic_optimization:
+            raise TypeError(
+                f"{type(module).__name__}.automatic_optimization=False: TitanStrategy runs each optimizer step of "
+                f"a PretrainModule itself; optimise by hand in a plain LightningModule instead"
+            )
+        if not self._plain():  # a plain module's accumulation stays Lightning's
+            self._absorb_accumulation()
         # Validate before the process group and mesh exist: a bad layout fails in seconds.
         self.parallel_dims = self.resolve_dims()
         self._set_matmul_precision()
@@ -320,8 +365,15 @@ class TitanStrategy(ModelParallelStrategy):
         peer_exit.remember(self.global_rank, self.world_size, self._launcher)  # for the line if a peer dies
         if not self._reentered():  # the made model's DTensors hold the mesh it was parallelised over
             self.init_layout(self.parallel_dims, self.root_device.type)
+        if self._plain() and self._lightning_mesh is None:  # kept on re-entry: its DTensors hold it
+            from torch.distributed.device_mesh import init_device_mesh
+
+            dims = self.parallel_dims
+            self._lightning_mesh = init_device_mesh(
+                self.root_device.type, (dims.dp, dims.tp), mesh_dim_names=("data_parallel", "tensor_parallel")
+            )
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        self.lightning_module._device_mesh = self.device_mesh
 
     def _absorb_accumulation(self) -> None:
         """Lightning must hand over whole steps: ``Trainer(accumulate_grad_batches=N)`` becomes the step runner's
@@ -395,6 +447,15 @@ class TitanStrategy(ModelParallelStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        if self._plain():  # Lightning's own: configure_model parallelised it; materialise, optimizers
+            super().setup(trainer)
+            # Lightning clips with torch's clip_grad_norm_ over every parameter at once, which refuses gradients on
+            # several meshes or a mix of DTensors and plain tensors (tensor parallelism of some modules only).
+            plugin = self.precision_plugin
+            plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(
+                plugin.main_params(optimizer), clip_val
+            )
+            return
         self.accelerator.setup(trainer)
         if self._reentered():  # its trained weights, not a second parallelisation and a fresh init
             self._finish_setup(trainer)
@@ -404,7 +465,7 @@ class TitanStrategy(ModelParallelStrategy):
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"{type(self).__name__} parallelises the `model` of a lit_titan.PretrainModule, built in "
-                f"configure_model(); got {type(self.lightning_module).__name__}"
+                f"configure_model(); {type(self.lightning_module).__name__}.model is {type(model).__name__}"
             )
         precision = self.precision_plugin.precision
         mixed_precision_for(precision)  # refuse unsupported flags before any work
@@ -551,6 +612,8 @@ class TitanStrategy(ModelParallelStrategy):
         """Reduce over the data(+context)-parallel group by default: TP/PP peers hold copies, not samples."""
         if group is None and self._device_mesh is not None:
             group = self.mesh_views["dp_cp"].get_group()
+        if isinstance(tensor, DTensor):  # a loss under loss parallel (Replicate): logged as the plain tensor
+            tensor = tensor.full_tensor()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -602,12 +665,16 @@ class TitanStrategy(ModelParallelStrategy):
         """The rank's whole optimizer step, by the step runner: the module's ``split_batch``, ``compute_loss``
         and ``record_train_loss`` under every layout (subclasses customise those, not ``training_step``)."""
         module = self.lightning_module
+        if self._plain():
+            return super().training_step(*args, **kwargs)
         _refuse_own_step(module, "training_step")
         with self.precision_plugin.train_step_context(), self._loss_context():
             return self.step_runner.train(module, args[0])
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
+        if self._plain():
+            return super().validation_step(*args, **kwargs)
         _refuse_own_step(module, "validation_step")
         with self.precision_plugin.val_step_context(), self._loss_context():
             loss = self.step_runner.evaluate(module, args[0])
@@ -627,6 +694,8 @@ class TitanStrategy(ModelParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The step runner ran every micro-batch's backward in training_step: only the hooks after it run
         (``on_after_backward``; ``on_before_backward`` has no single moment to run at and does not)."""
+        if self._plain():  # a plain module's step is Lightning's: its backward too
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     # ---- checkpoints ----------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""A plain LightningModule (not a ``PretrainModule``) under TitanStrategy, as Lightning's own strategy trains it:
+its ``configure_model`` parallelises over ``device_mesh["data_parallel"]`` / ``["tensor_parallel"]``, its own hooks
+run, and at dp2 and tp2 it trains equal to one process in float64 (gradients before clipping, weights after each
+step, the logged losses); validate, predict and save_checkpoint on the same Trainer after fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# float64: the layouts differ from one process by summation order only
+TOL = 1e-10
+# Lightning's advice for trainer.validate under several processes (the user's choice here, not a fault)
+VALIDATE_ADVICE = ("Using `DistributedSampler` with the dataloaders",)
+
+
+@pytest.fixture(scope="module")
+def reference(worlds, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain") / "one.pt"
+    worlds.run(1, "scripts.plain_module:main", str(out), 1)
+    return torch.load(out, weights_only=True)
+
+
+def _worst(got: dict, ref: dict, kinds: tuple[str, ...] = ("grads", "params")) -> tuple[float, str]:
+    worst = (0.0, "")
+    for kind in kinds:
+        assert len(got[kind]) == len(ref[kind]) == 3, (kind, len(got[kind]))
+        for step, (g, r) in enumerate(zip(got[kind], ref[kind])):
+            assert sorted(g) == sorted(r), (kind, sorted(set(g) ^ set(r)))
+            for name, t in r.items():
+                err = (g[name] - t).abs().max().item() / max(t.abs().max().item(), 1e-30)
+                worst = max(worst, (err, f"{kind} step {step} {name}"))
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_a_plain_module_trains_equal_to_one_process(tp, reference, worlds, tmp_path):
+    out = tmp_path / "got.pt"
+    worlds.run(2, "scripts.plain_module:main", str(out), tp, allow_noise=VALIDATE_ADVICE)
+    got = torch.load(out, weights_only=True)
+    assert got["mesh"] == ("data_parallel", "tensor_parallel")
+    err, where = _worst(got, reference)
+    print(f"plain module at {'tp2' if tp == 2 else 'dp2'}: worst {err:.3g} ({where})")
+    assert err < TOL, (err, where)
+    # the reference learns and Lightning's clipping engages (norms above gradient_clip_val=0.5)
+    norms = [torch.cat([g.flatten() for g in step.values()]).norm().item() for step in reference["grads"]]
+    assert min(norms) > 0.5, norms
+    for key in ("train_loss", "val_loss"):
+        assert got[key] == pytest.approx(reference[key], rel=TOL), key
+    rows = reference["predicted"] if tp == 2 else reference["predicted"][0::2]  # dp2: rank 0's rows
+    assert torch.equal(got["predicted"], rows)
+    assert got["saved"]
+
+
+@pytest.mark.slow
+def test_manual_optimisation_of_a_plain_module_at_tp2_equals_automatic_in_one_process(reference, worlds, tmp_path):
+    """zero_grad, manual_backward, clip_gradients and step by hand: the weights after each step are the automatic
+    reference's."""
+    out = tmp_path / "manual.pt"
+    worlds.run(2, "scripts.plain_module:main", str(out), 2, False, True, allow_noise=VALIDATE_ADVICE)
+    got = torch.load(out, weights_only=True)
+    err, where = _worst(got, reference, kinds=("params",))
+    assert err < TOL, (err, where)
+    assert got["train_loss"] == pytest.approx(reference["train_loss"], rel=TOL)
+
+
+@pytest.mark.slow
+def test_a_plain_module_mutant_trains_every_rank_on_the_same_rows(reference, worlds, tmp_path):
+    """The check can fail: sampler arguments that tell each rank it is the only replica (each trains rows 0-1)."""
+    out = tmp_path / "mutant.pt"
+    worlds.run(2, "scripts.plain_module:main", str(out), 1, True, allow_noise=VALIDATE_ADVICE)
+    err, where = _worst(torch.load(out, weights_only=True), reference)
+    print(f"plain module, sampler mutant: {err:.3g} ({where}), {err / TOL:.3g}x the tolerance")
+    assert err > 1e3 * TOL, (err, where)
+
+
+def test_pipeline_or_context_parallel_for_a_plain_module_is_refused_in_one_line():
+    import lightning as L
+
+    from lit_titan import TitanStrategy
+    from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
+
+    strategy = TitanStrategy(pp=2)
+    strategy._lightning_module = L.LightningModule()
+    with pytest.raises(LayoutError) as info:
+        strategy._check_plain_layout(ParallelDims.resolve(4, pp=2))
+    msg = str(info.value)
+    assert "\n" not in msg and "pp=2 needs a lit_titan.PretrainModule" in msg, msg
+
+
+def test_manual_optimisation_of_a_pretrain_module_is_refused_in_one_line():
+    """The step runner owns a PretrainModule's optimizer step (under pp2 manual optimisation never trained and never
+    ended): refused before any process-group work."""
+    from lit_titan import PretrainModule, TitanStrategy
+
+    class ByHand(PretrainModule):
+        def __init__(self) -> None:
+            super().__init__("llama3_debug")
+            self.automatic_optimization = False
+
+    strategy = TitanStrategy(pp=2)
+    strategy._lightning_module = ByHand()
+    with pytest.raises(TypeError) as info:
+        strategy.setup_environment()
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("ByHand.automatic_optimization=False"), msg
