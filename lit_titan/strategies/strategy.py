@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lit_titan.checkpoint import CheckpointWriter, load_sharded
+from lit_titan.checkpoint.single_file import load_single_file
 from lit_titan.fault_tolerance.settings import FaultToleranceConfig
 from lit_titan.models.registry import spec_of_model
 from lit_titan.observe.log_cadence import amortise_sigterm_check
@@ -742,9 +743,12 @@ class TitanStrategy(ModelParallelStrategy):
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Validate, then load shards into the parallelised model under any layout (DCP reshards)."""
+        """Validate, then load shards into the parallelised model under any layout (DCP reshards); a single file
+        (Lightning's ``save_checkpoint`` under another strategy) loads too, each rank taking its parameters."""
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
+        if path.is_file():
+            return load_single_file(self.model, list(self.optimizers), path)
         return load_sharded(self.model, list(self.optimizers), path, rank=self.global_rank, world_size=self.world_size)
 
 

@@ -171,9 +171,10 @@ class World:
                 if not self.alive or time.monotonic() > deadline:
                     why = "a rank died" if not self.alive else f"no result within {timeout:.0f}s"
                     self.close()
+                    failed = "".join(f"\nrank {r} failed:\n{v}" for r, (ok, v) in sorted(replies.items()) if not ok)
                     raise CaseFailed(
                         f"{case} in a {self.size}-process world: {why}; ranks that answered: "
-                        f"{sorted(replies)}\n{self._tail_logs(case)}"
+                        f"{sorted(replies)}{failed}\n{self._tail_logs(case)}"
                     ) from None
                 continue
             if got_case != case:

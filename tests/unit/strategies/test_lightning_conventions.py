@@ -41,3 +41,38 @@ def test_a_single_file_checkpoint_is_refused_in_one_line():
 
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False.*lit-titan export"):
         TitanStrategy(save_distributed_checkpoint=False)
+
+
+@pytest.fixture(scope="module")
+def single_file(worlds, tmp_path_factory):
+    """Two steps under Lightning's default one-device strategy, saved as one file by ``trainer.save_checkpoint``."""
+    out = tmp_path_factory.mktemp("single-file") / "source.pt"
+    worlds.run(1, "scripts.single_file_resume:save", str(out))
+    return out
+
+
+@pytest.mark.slow
+def test_fit_from_a_single_file_checkpoint_restores_it_at_dp2(single_file, worlds, tmp_path):
+    """Every weight and every optimizer state tensor restored exactly (the optimizer state is saved by position:
+    a mapping to the wrong parameter would move its moments), and the step; then it trains on."""
+    out = tmp_path / "restored.pt"
+    worlds.run(2, "scripts.single_file_resume:resume", str(out), str(single_file))
+    got, want = torch.load(out, weights_only=True), torch.load(single_file, weights_only=True)
+    assert got["global_step"] == 2
+    assert sorted(got["weights"]) == sorted(want["weights"])
+    for name, t in want["weights"].items():
+        assert torch.equal(got["weights"][name], t), name
+    assert sorted(got["optimizer"]) == sorted(want["optimizer"])
+    for name, state in want["optimizer"].items():
+        for key, t in state.items():
+            assert torch.equal(torch.as_tensor(got["optimizer"][name][key]), torch.as_tensor(t)), (name, key)
+
+
+@pytest.mark.slow
+def test_a_single_file_checkpoint_under_pipeline_parallelism_is_refused_in_one_line(single_file, worlds, tmp_path):
+    """A rank holds only its stages, and the file's optimizer state is keyed by position in the whole model."""
+    from world import CaseFailed
+
+    with pytest.raises(CaseFailed) as info:
+        worlds.run(2, "scripts.single_file_resume:resume", str(tmp_path / "x.pt"), str(single_file), 2)
+    assert "resume it under the layout it was saved with, or under one without pipeline parallelism" in str(info.value)
