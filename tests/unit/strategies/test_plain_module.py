@@ -105,3 +105,71 @@ def test_manual_optimisation_of_a_pretrain_module_is_refused_in_one_line():
         strategy.setup_environment()
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith("ByHand.automatic_optimization=False"), msg
+
+
+# ---- Lightning's own ModelParallelStrategy behaviours, held by TitanStrategy with a plain module ----------------
+def _plain_strategy(module, **kwargs):
+    from unittest.mock import Mock
+
+    from lit_titan import TitanStrategy
+
+    strategy = TitanStrategy(**kwargs)
+    strategy.model = module
+    strategy._lightning_module = module
+    strategy._accelerator = Mock()
+    strategy._parallel_devices = [torch.device("cpu")]
+    return strategy
+
+
+def test_lightning_size_names_are_the_degrees():
+    from lit_titan import TitanStrategy
+
+    degrees = TitanStrategy(data_parallel_size=2, tensor_parallel_size=4)._degrees
+    assert (degrees["dp_shard"], degrees["tp"]) == (2, 4)
+    assert TitanStrategy(data_parallel_size="auto")._degrees == TitanStrategy()._degrees
+
+
+def test_the_device_mesh_before_the_processes_start_is_refused():
+    from lit_titan import TitanStrategy
+
+    with pytest.raises(RuntimeError, match="Accessing the device mesh .* not allowed"):
+        _ = TitanStrategy().device_mesh
+
+
+def test_a_plain_module_must_parallelise_itself_in_configure_model():
+    from unittest.mock import Mock
+
+    import lightning as L
+
+    with pytest.raises(TypeError, match="required to override the `configure_model"):
+        _plain_strategy(L.LightningModule()).setup(Mock())
+
+    class Configured(L.LightningModule):
+        def configure_model(self) -> None:
+            pass
+
+    _plain_strategy(Configured()).setup(Mock())
+
+
+def test_a_plain_module_built_on_the_meta_device_is_materialised_in_setup():
+    from unittest.mock import Mock
+
+    import lightning as L
+
+    class OnMeta(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(2))
+
+        def reset_parameters(self) -> None:  # the module's own buffers (Linear resets its weights)
+            self.scale.fill_(2.0)
+
+        def configure_model(self) -> None:
+            pass
+
+    with torch.device("meta"):
+        module = OnMeta()
+    _plain_strategy(module).setup(Mock())
+    assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    assert torch.equal(module.scale, torch.full((2,), 2.0))
