@@ -211,6 +211,19 @@ class PretrainModule(L.LightningModule, ModuleContract):
         self.record_val_loss(loss)
         return loss
 
+    def test_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
+        """The held-out loss, as validation computes it (the data module tests on its held-out split)."""
+        inputs, labels, extra = self.inputs_and_labels(batch)
+        loss = self.model_loss(inputs, labels, **extra)
+        self.record_test_loss(loss)
+        return loss
+
+    def predict_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
+        """The logits of the batch's inputs ([micro-batch, seq_len, vocab]), whole under tensor parallelism."""
+        inputs, _, extra = self.inputs_and_labels(batch)
+        logits = self(inputs, **extra)
+        return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+
     def record_train_loss(self, loss: Tensor, inputs: Tensor) -> None:
         """Accumulate a micro-batch's loss; their mean (over micro-batches and ranks) is logged once per step.
 
@@ -243,6 +256,9 @@ class PretrainModule(L.LightningModule, ModuleContract):
 
     def record_val_loss(self, loss: Tensor) -> None:
         self.log("val/loss", _plain(loss.detach()), sync_dist=True, prog_bar=True)
+
+    def record_test_loss(self, loss: Tensor) -> None:
+        self.log("test/loss", _plain(loss.detach()), sync_dist=True)
 
     def on_fit_start(self) -> None:
         # MoE layers' global-batch auxiliary loss sums its token counts over the ranks sharing the batch, the

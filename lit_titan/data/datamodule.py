@@ -440,6 +440,14 @@ class PretrainDataModule(L.LightningDataModule):
         )
         return self._loader(dataset, FixedSampler(range(steps)))
 
+    def test_dataloader(self) -> DataLoader | list:
+        """The held-out batches of ``val_dataloader``: a corpus split has no third part."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader | list:
+        """The held-out batches of ``val_dataloader`` (``predict_step`` gives their logits)."""
+        return self.val_dataloader()
+
     def _loader(self, dataset: RankMicroBatches, sampler: Any, kind: type[DataLoader] = DataLoader) -> DataLoader:
         # Persistent workers: the sampler (and so the order) lives in this process, and a spawned
         # worker (remote data) costs seconds of imports, which a new epoch should not pay again.

@@ -682,6 +682,29 @@ class TitanStrategy(ModelParallelStrategy):
             module.record_val_loss(loss)
             return loss
 
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``trainer.test``: the held-out loss through the step runner (pipeline schedules included), as validation."""
+        module = self.lightning_module
+        if self._plain():
+            return super().test_step(*args, **kwargs)
+        _refuse_own_step(module, "test_step")
+        with self.precision_plugin.test_step_context(), self._loss_context():
+            loss = self.step_runner.evaluate(module, args[0])
+            module.record_test_loss(loss)
+            return loss
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``trainer.predict``: the module's ``predict_step`` where a rank holds whole sequences and the whole model;
+        refused in one line under pipeline parallelism (the logits live on the last stage) and context parallelism
+        (each rank holds a slice of every sequence)."""
+        dims = self.parallel_dims
+        if not self._plain() and dims is not None and (dims.pp > 1 or dims.cp > 1):
+            raise RuntimeError(
+                f"trainer.predict under pp={dims.pp} cp={dims.cp}: a rank holds part of the model or of each sequence; "
+                f"predict under data and tensor parallelism (a checkpoint of this run loads into any layout)"
+            )
+        return super().predict_step(*args, **kwargs)
+
     def _shard_sequence(self, inputs: Tensor, labels: Tensor, extra: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """This rank's slice of the sequence; per-token ``extra`` (document positions and ids) is
         sliced in place the same way (the model and every pipeline stage receive it)."""
@@ -752,14 +775,17 @@ class TitanStrategy(ModelParallelStrategy):
         return load_sharded(self.model, list(self.optimizers), path, rank=self.global_rank, world_size=self.world_size)
 
 
+_RECORDS = {"training_step": "record_train_loss", "validation_step": "record_val_loss", "test_step": "record_test_loss"}
+
+
 def _refuse_own_step(module: Any, hook: str) -> None:
-    """A ``PretrainModule`` subclass's own ``training_step``/``validation_step`` would bypass the step runner
+    """A ``PretrainModule`` subclass's own ``training_step``/``validation_step``/``test_step`` would bypass the step runner
     (and its normaliser): refused in one line naming what to override instead."""
     own = getattr(type(module), hook, None)
     if isinstance(module, ModuleContract) and getattr(own, "__qualname__", "") != f"PretrainModule.{hook}":
         raise TypeError(
             f"{type(module).__name__}.{hook}: TitanStrategy runs each optimizer step itself (one normaliser over "
-            f"every layout); override compute_loss, split_batch, count_targets or record_train_loss instead"
+            f"every layout); override compute_loss, split_batch, count_targets or {_RECORDS[hook]} instead"
         )
 
 

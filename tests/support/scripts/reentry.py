@@ -1,10 +1,12 @@
-"""A Trainer back after ``fit``: ``trainer.validate`` and ``trainer.save_checkpoint`` on the same Trainer.
+"""A Trainer back after ``fit``: ``trainer.validate``, ``test``, ``predict`` and ``save_checkpoint`` on the same Trainer.
 
-``main(out, fresh_weights=False)`` trains 3 steps of the tiny Llama with the Python API, validating at the last
-step, then validates again on the same Trainer and saves a checkpoint with it; Lightning's ``ModelCheckpoint`` saves
-every step with ``save_last=True``. Saves both validation losses, whether the save wrote a checkpoint and what
-the checkpoint folder holds (tests/unit/strategies/test_lightning_conventions.py). ``fresh_weights`` undoes the
-re-entry (the strategy parallelises and initialises the model again), the bug the test must catch.
+``main(out, fresh_weights=False, layout=None)`` trains 3 steps of the tiny Llama with the Python API (``layout``:
+None for data parallelism over the world, or ``"tp"``/``"pp"`` for tp2/pp2), validating at the last step, then
+validates, tests and predicts on the same Trainer and saves a checkpoint with it; Lightning's ``ModelCheckpoint``
+saves every step with ``save_last=True``. Saves the validation losses, the test loss, the loss of the predicted
+logits (or the line predict was refused with), whether the save wrote a checkpoint and what the checkpoint folder
+holds (tests/unit/strategies/test_lightning_conventions.py). ``fresh_weights`` undoes the re-entry (the strategy
+parallelises and initialises the model again), the bug the test must catch.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_titan import PretrainModule, TitanStrategy
 from lit_titan.data import PretrainDataModule
 
 
-def main(out: str, fresh_weights: bool = False) -> None:
+def main(out: str, fresh_weights: bool = False, layout: str | None = None) -> None:
     module = PretrainModule(
         "llama3_debug",
         {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
@@ -34,7 +37,7 @@ def main(out: str, fresh_weights: bool = False) -> None:
         model_vocab_size=512,
         data_dir=os.environ["LIT_TITAN_CACHE"],
     )
-    strategy = TitanStrategy()
+    strategy = TitanStrategy(**({layout: 2} if layout else {}))
     if fresh_weights:
         strategy._reentered = lambda: False  # the mutant: every Trainer entry builds the model anew
     trainer = L.Trainer(
@@ -44,6 +47,8 @@ def main(out: str, fresh_weights: bool = False) -> None:
         val_check_interval=3,
         check_val_every_n_epoch=None,
         limit_val_batches=2,
+        limit_test_batches=2,
+        limit_predict_batches=2,
         strategy=strategy,
         precision="32-true",
         logger=False,
@@ -54,8 +59,27 @@ def main(out: str, fresh_weights: bool = False) -> None:
     trainer.fit(module, datamodule=data)
     in_fit = float(trainer.callback_metrics["val/loss"])
     after = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
+    tested = float(trainer.test(module, datamodule=data, verbose=False)[0]["test/loss"])
+    try:
+        logits = trainer.predict(module, datamodule=data)
+        labels = [module.split_batch(b)[1] for _, b in zip(range(2), data.predict_dataloader())]
+        predicted = torch.stack([F.cross_entropy(x.flatten(0, 1), y.flatten()) for x, y in zip(logits, labels)])
+        predicted = float(predicted.mean())
+    except RuntimeError as err:
+        predicted = str(err)
     ckpt = Path(out).with_suffix(".ckpt")
     trainer.save_checkpoint(ckpt)
     if trainer.global_rank == 0:
         kept = sorted(p.name for p in (Path(out).parent / "ckpt").iterdir())
-        torch.save({"in_fit": in_fit, "after_fit": after, "saved": ckpt.exists(), "kept": kept}, out)
+        torch.save(
+            {
+                "in_fit": in_fit,
+                "after_fit": after,
+                "test": tested,
+                "predicted": predicted,
+                "saved": ckpt.exists(),
+                "kept": kept,
+                "ckpt_dir": str(Path(out).parent / "ckpt"),
+            },
+            out,
+        )

@@ -3,25 +3,44 @@ save_checkpoint on the same Trainer), and ModelCheckpoint's ``save_last`` overwr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from lit_titan.checkpoint.layout import META_FILE
 
 
+def _reentry(worlds, out, ranks: int, layout: str | None) -> dict:
+    worlds.run(ranks, "scripts.reentry:main", str(out), False, layout)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def one_process(worlds, tmp_path_factory) -> dict:
+    return _reentry(worlds, tmp_path_factory.mktemp("reentry") / "one.pt", 1, None)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [1, 2], ids=["one_process", "dp2"])
-def test_validate_after_fit_sees_the_trained_weights(ranks, tmp_path, worlds):
-    """The validation after fit equals the one at fit's last step (same weights, same batches), and the Trainer
-    saves a checkpoint after fit (its process group still lives)."""
-    out = tmp_path / "reentry.pt"
-    worlds.run(ranks, "scripts.reentry:main", str(out))
-    got = torch.load(out, weights_only=True)
+@pytest.mark.parametrize(
+    ("ranks", "layout"), [(1, None), (2, None), (2, "tp"), (2, "pp")], ids=["one_process", "dp2", "tp2", "pp2"]
+)
+def test_validate_test_predict_after_fit_see_the_trained_weights(ranks, layout, one_process, tmp_path, worlds):
+    """The validation after fit equals the one at fit's last step (same weights, same batches) and one process's,
+    so does the test on the same held-out batches (pp2: through the schedule) and the loss of the predicted logits
+    (refused in one line under pp2), and the Trainer saves a checkpoint after fit (its process group still lives)."""
+    got = one_process if ranks == 1 else _reentry(worlds, tmp_path / "reentry.pt", ranks, layout)
+    assert got["in_fit"] == pytest.approx(one_process["in_fit"], rel=1e-5), (got, one_process)
     assert got["saved"], got
     assert got["after_fit"] == pytest.approx(got["in_fit"], rel=1e-6), got
+    assert got["test"] == pytest.approx(got["in_fit"], rel=1e-6), got
+    if layout == "pp":
+        assert got["predicted"].startswith("trainer.predict under pp=2 cp=1: a rank holds part of the model"), got
+    elif ranks == 1 or layout == "tp":  # every rank predicts every row (dp2: rank 0 its own rows only)
+        assert got["predicted"] == pytest.approx(got["in_fit"], rel=1e-5), got
     # save_top_k=1 keeps the newest step; last.ckpt was replaced at each step, nothing set aside is left
     assert got["kept"] == ["epoch=0-step=3.ckpt", "last.ckpt"], got
-    meta = torch.load(tmp_path / "ckpt" / "last.ckpt" / META_FILE, weights_only=False)
+    meta = torch.load(Path(got["ckpt_dir"]) / "last.ckpt" / META_FILE, weights_only=False)
     assert meta["global_step"] == 3, meta.keys()
 
 
