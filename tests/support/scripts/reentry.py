@@ -1,6 +1,7 @@
 """A Trainer back after ``fit``: ``trainer.validate``, ``test``, ``predict`` and ``save_checkpoint`` on the same Trainer.
 
-``main(out, fresh_weights=False, layout=None)`` trains 3 steps of the tiny Llama with the Python API (``layout``:
+``main(out, fresh_weights=False, layout=None)`` trains 3 steps of the tiny Llama with the Python API (the module
+made under ``trainer.init_module(empty_init=True)``, Lightning's CSV logger on; ``layout``:
 None for data parallelism over the world, or ``"tp"``/``"pp"`` for tp2/pp2), validating at the last step, then
 validates, tests and predicts on the same Trainer and saves a checkpoint with it; Lightning's ``ModelCheckpoint``
 saves every step with ``save_last=True``. Saves the validation losses, the test loss, the loss of the predicted
@@ -18,17 +19,13 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 from lit_titan import PretrainModule, TitanStrategy
 from lit_titan.data import PretrainDataModule
 
 
 def main(out: str, fresh_weights: bool = False, layout: str | None = None) -> None:
-    module = PretrainModule(
-        "llama3_debug",
-        {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
-        {"total_steps": 3, "lr": 1e-2, "warmup_steps": 0},
-    )
     data = PretrainDataModule(
         seq_len=32,
         global_batch_size=4,
@@ -51,11 +48,18 @@ def main(out: str, fresh_weights: bool = False, layout: str | None = None) -> No
         limit_predict_batches=2,
         strategy=strategy,
         precision="32-true",
-        logger=False,
+        logger=CSVLogger(Path(out).parent / "logs"),
+        log_every_n_steps=1,
         callbacks=[ModelCheckpoint(dirpath=Path(out).parent / "ckpt", every_n_train_steps=1, save_last=True)],
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    with trainer.init_module(empty_init=True):  # built on the meta device; the strategy materialises it
+        module = PretrainModule(
+            "llama3_debug",
+            {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
+            {"total_steps": 3, "lr": 1e-2, "warmup_steps": 0},
+        )
     trainer.fit(module, datamodule=data)
     in_fit = float(trainer.callback_metrics["val/loss"])
     after = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
