@@ -7,12 +7,14 @@ float64, records every parameter's full gradient before clipping and the weights
 predicts and saves a checkpoint on the same Trainer (tests/unit/strategies/test_plain_module.py compares it with
 one process). ``sampler_mutant``: every rank is told it is the only data-parallel replica, so each trains the same
 rows, the bug a strategy's sampler arguments could have. ``manual``: the same step by Lightning's manual
-optimisation (the recorded gradients are then clipped ones: compare the weights).
+optimisation with torch's loss parallel under tp (the recorded gradients are then clipped ones: compare the
+weights; the logged loss is a DTensor).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
@@ -58,9 +60,11 @@ class PlainGPT(L.LightningModule):
         torch.manual_seed(0)
         self.net = Net().double()  # float64 under precision="32-true" (Lightning has no 64-true here)
         self.parallelised = False
+        self.loss_parallel = False
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         if self.parallelised:  # Lightning calls it again for validate/predict after fit
@@ -70,6 +74,10 @@ class PlainGPT(L.LightningModule):
         if tp.size() > 1:
             for block in self.net.blocks:
                 parallelize_module(block, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            if self.loss_parallel:  # logits sharded over the vocabulary, the loss a DTensor (torch's loss parallel)
+                parallelize_module(
+                    self.net, tp, {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+                )
         if dp.size() > 1:
             for block in self.net.blocks:
                 fully_shard(block, mesh=dp)
@@ -81,31 +89,43 @@ class PlainGPT(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch), sync_dist=True)
+        with self._loss_context():
+            self.log("val_loss", self._loss(batch), sync_dist=True)
 
     def predict_step(self, batch, batch_idx):
-        return self.net(batch[0]).argmax(-1)
+        logits = self.net(batch[0])
+        return (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).argmax(-1)
 
     def _loss(self, batch) -> torch.Tensor:
         tokens, labels = batch
         return F.cross_entropy(self.net(tokens).flatten(0, 1), labels.flatten())
+
+    def _loss_context(self):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        tp = self.device_mesh["tensor_parallel"].size()
+        return loss_parallel() if self.loss_parallel and tp > 1 else nullcontext()
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class ManualGPT(PlainGPT):
-    """The same step optimised by hand (Lightning's manual optimisation): zero, backward, clip, step."""
+    """The same step optimised by hand (Lightning's manual optimisation): zero, backward, clip, step; under tensor
+    parallelism with torch's loss parallel (its backward inside the context: here, in the step), so the loss it
+    logs with ``sync_dist=True`` is a DTensor."""
 
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
+        self.loss_parallel = True
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
         opt.zero_grad()
-        loss = self._loss(batch)
-        self.manual_backward(loss)
+        with self._loss_context():
+            loss = self._loss(batch)
+            self.manual_backward(loss)
         self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
         opt.step()
         self.log("train_loss", loss, sync_dist=True)
