@@ -212,7 +212,6 @@ class ModuleContract:
 class PlainModule:
     """The contract's answers for a LightningModule that is not a ``PretrainModule``."""
 
-    model = None  # TitanStrategy refuses it: nothing says which submodule is the network
     model_args = None
     seed = 0
     phase_clock = None  # a Timeline's clock set here is read by nothing: only PretrainModule times phases
@@ -223,6 +222,11 @@ class PlainModule:
 
     def __init__(self, module: pl.LightningModule | None) -> None:
         self._module = module
+        # The module's `model` submodule, if it has one: the network ``TitanStrategy(plan=...)`` parallelises.
+        try:
+            self.model: nn.Module | None = module.get_submodule("model") if module is not None else None
+        except AttributeError:
+            self.model = None
 
     def build_model(self) -> nn.Module:
         raise TypeError(f"{type(self._module).__name__} is not a lit_titan.PretrainModule: it has no build_model()")

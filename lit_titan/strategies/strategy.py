@@ -444,12 +444,15 @@ class TitanStrategy(ModelParallelStrategy):
     def _reentered(self) -> bool:
         """The Trainer is back (validate/test/predict or a save after fit) with the model this strategy made."""
         module = self.lightning_module
-        return self._made_model is not None and module is not None and module.model is self._made_model
+        return self._made_model is not None and module_contract(module).model is self._made_model
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
-        if self._plain():  # Lightning's own: configure_model parallelised it; materialise, optimizers
-            super().setup(trainer)
+        if self._plain():
+            if self._plan is not None:  # the strategy parallelises the module's `model` with the plan
+                self._setup_planned(trainer)
+            else:  # Lightning's own: configure_model parallelised it; materialise, optimizers
+                super().setup(trainer)
             # Lightning clips with torch's clip_grad_norm_ over every parameter at once, which refuses gradients on
             # several meshes or a mix of DTensors and plain tensors (tensor parallelism of some modules only).
             plugin = self.precision_plugin
@@ -484,7 +487,7 @@ class TitanStrategy(ModelParallelStrategy):
                 self.stage_ids,
                 self.num_stages,
                 self.pipeline_config,
-                self.device_mesh["pp"].get_group(),
+                self._device_mesh["pp"].get_group(),
                 self.root_device,
             )
         if self.fsdp_applied and precision == "bf16-mixed":
@@ -492,6 +495,27 @@ class TitanStrategy(ModelParallelStrategy):
             # reductions; Lightning's autocast on top would only add casts.
             self.precision_plugin = Precision()
         self._made_model = model
+        self._finish_setup(trainer)
+
+    def _setup_planned(self, trainer: pl.Trainer) -> None:
+        """A plain module under ``TitanStrategy(plan=...)``: its ``model`` is parallelised by the plan in the same
+        order as a family's (TP, activation checkpointing, compile, FSDP); its steps stay its own."""
+        from lightning.fabric.utilities.init import _materialize_distributed_module
+
+        module = self.lightning_module
+        self.accelerator.setup(trainer)
+        if not self._reentered():
+            model = module_contract(module).model
+            if model is None:
+                raise TypeError(
+                    f"TitanStrategy(plan=...) parallelises the `model` submodule of {type(module).__name__}, which "
+                    f"has none; set self.model to the network (or parallelise it in configure_model, without plan=)"
+                )
+            self.loss_parallel = False  # the module's own loss sees whole logits
+            model, self._views = self.parallelize(model, self.precision_plugin.precision)
+            module.model = self._made_model = model
+            _materialize_distributed_module(self.model, self.root_device)  # meta weights: reset_parameters
+            self.model = self.precision_plugin.convert_module(self.model)
         self._finish_setup(trainer)
 
     def _finish_setup(self, trainer: pl.Trainer) -> None:
@@ -511,7 +535,7 @@ class TitanStrategy(ModelParallelStrategy):
         Returns the model this rank trains (under PP: the union of its stages) and the modules the
         rest of the plan was applied to (one per pipeline stage; else the model itself).
         """
-        dims, mesh, plan = self.parallel_dims, self.device_mesh, self.plan_for(model)
+        dims, mesh, plan = self.parallel_dims, self._device_mesh, self.plan_for(model)
         self._run_transforms("convert", model, plan)
         views = [model]
         fsdp_config = self.fsdp_config
@@ -565,7 +589,7 @@ class TitanStrategy(ModelParallelStrategy):
         self.num_stages = dims.pp * cfg.per_rank
         units = plan.pipeline_units(model)
         names = split_units(units, self.num_stages, cfg.stages)
-        self.stage_ids = stage_ids(self.device_mesh["pp"].get_local_rank(), dims.pp, cfg)
+        self.stage_ids = stage_ids(self._device_mesh["pp"].get_local_rank(), dims.pp, cfg)
         return build_rank_model(model, units, [names[i] for i in self.stage_ids])
 
     def materialize(self, model: nn.Module, seed: int) -> None:

@@ -8,7 +8,7 @@ predicts and saves a checkpoint on the same Trainer (tests/unit/strategies/test_
 one process). ``sampler_mutant``: every rank is told it is the only data-parallel replica, so each trains the same
 rows, the bug a strategy's sampler arguments could have. ``manual``: the same step by Lightning's manual
 optimisation with torch's loss parallel under tp (the recorded gradients are then clipped ones: compare the
-weights; the logged loss is a DTensor).
+weights; the logged loss is a DTensor). ``planned``: the strategy parallelises the network by a ``ParallelPlan``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_titan import TitanStrategy
+from lit_titan.strategies.parallel_plan import ParallelPlan
 
 VOCAB, DIM, HIDDEN, SEQ, ROWS = 64, 32, 64, 16, 24
 CLIP = 0.5
@@ -58,7 +59,7 @@ class PlainGPT(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = Net().double()  # float64 under precision="32-true" (Lightning has no 64-true here)
+        self.model = Net().double()  # float64 under precision="32-true" (Lightning has no 64-true here)
         self.parallelised = False
         self.loss_parallel = False
 
@@ -72,16 +73,16 @@ class PlainGPT(L.LightningModule):
         self.parallelised = True
         tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if tp.size() > 1:
-            for block in self.net.blocks:
+            for block in self.model.blocks:
                 parallelize_module(block, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
             if self.loss_parallel:  # logits sharded over the vocabulary, the loss a DTensor (torch's loss parallel)
                 parallelize_module(
-                    self.net, tp, {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+                    self.model, tp, {"head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
                 )
         if dp.size() > 1:
-            for block in self.net.blocks:
+            for block in self.model.blocks:
                 fully_shard(block, mesh=dp)
-            fully_shard(self.net, mesh=dp)
+            fully_shard(self.model, mesh=dp)
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
@@ -93,12 +94,12 @@ class PlainGPT(L.LightningModule):
             self.log("val_loss", self._loss(batch), sync_dist=True)
 
     def predict_step(self, batch, batch_idx):
-        logits = self.net(batch[0])
+        logits = self.model(batch[0])
         return (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).argmax(-1)
 
     def _loss(self, batch) -> torch.Tensor:
         tokens, labels = batch
-        return F.cross_entropy(self.net(tokens).flatten(0, 1), labels.flatten())
+        return F.cross_entropy(self.model(tokens).flatten(0, 1), labels.flatten())
 
     def _loss_context(self):
         from torch.distributed.tensor.parallel import loss_parallel
@@ -108,6 +109,30 @@ class PlainGPT(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _block_styles(block: nn.Module) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def plan() -> ParallelPlan:
+    """The same layout as ``PlainGPT.configure_model``, said as a plan: the strategy applies it."""
+    return ParallelPlan(
+        tp_root=lambda model, loss_parallel: {},
+        tp_block=_block_styles,
+        blocks=lambda model: model.blocks,
+        fsdp_units=lambda model: list(model.blocks),
+        block_container="blocks",
+    )
+
+
+class PlannedGPT(PlainGPT):
+    """The same network, parallelised by ``TitanStrategy(plan=plan())`` instead of its own ``configure_model``."""
+
+    def configure_model(self) -> None:
+        pass
 
 
 class ManualGPT(PlainGPT):
@@ -161,10 +186,12 @@ def _data(batch_size: int) -> DataLoader:
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch_size, shuffle=False)
 
 
-def main(out: str, tp: int, sampler_mutant: bool = False, manual: bool = False) -> None:
+def main(out: str, tp: int, sampler_mutant: bool = False, manual: bool = False, planned: bool = False) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = world // tp
-    strategy = (SamplerMutant if sampler_mutant else TitanStrategy)(tensor_parallel_size=tp)
+    strategy = (SamplerMutant if sampler_mutant else TitanStrategy)(
+        tensor_parallel_size=tp, plan=plan() if planned else None
+    )
     record = Record()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -181,7 +208,7 @@ def main(out: str, tp: int, sampler_mutant: bool = False, manual: bool = False) 
         enable_model_summary=False,
         callbacks=[record],
     )
-    module = ManualGPT() if manual else PlainGPT()
+    module = ManualGPT() if manual else PlannedGPT() if planned else PlainGPT()
     global_batch = 4
     loader = _data(global_batch // dp)
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=loader)

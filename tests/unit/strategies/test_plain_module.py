@@ -54,6 +54,18 @@ def test_a_plain_module_trains_equal_to_one_process(tp, reference, worlds, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
+def test_a_plain_module_parallelised_by_a_plan_trains_equal_to_one_process(tp, reference, worlds, tmp_path):
+    """``TitanStrategy(plan=...)``: the strategy applies the module's TP styles and FSDP units to its ``model``."""
+    out = tmp_path / "planned.pt"
+    worlds.run(2, "scripts.plain_module:main", str(out), tp, False, False, True, allow_noise=VALIDATE_ADVICE)
+    got = torch.load(out, weights_only=True)
+    err, where = _worst(got, reference)
+    assert err < TOL, (err, where)
+    assert got["val_loss"] == pytest.approx(reference["val_loss"], rel=TOL)
+
+
+@pytest.mark.slow
 def test_manual_optimisation_of_a_plain_module_at_tp2_equals_automatic_in_one_process(reference, worlds, tmp_path):
     """zero_grad, manual_backward, clip_gradients and step by hand: the weights after each step are the automatic
     reference's."""
