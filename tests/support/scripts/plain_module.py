@@ -68,7 +68,7 @@ class PlainGPT(L.LightningModule):
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        if self.parallelised:  # Lightning calls it again for validate/predict after fit
+        if self.parallelised or self.device_mesh is None:  # called again after fit; or not under a mesh
             return
         self.parallelised = True
         tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
@@ -92,6 +92,10 @@ class PlainGPT(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         with self._loss_context():
             self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        with self._loss_context():
+            self.log("test_loss", self._loss(batch), sync_dist=True)
 
     def predict_step(self, batch, batch_idx):
         logits = self.model(batch[0])
@@ -201,6 +205,7 @@ def main(out: str, tp: int, sampler_mutant: bool = False, manual: bool = False, 
         max_steps=3,
         gradient_clip_val=None if manual else CLIP,
         limit_val_batches=2,
+        limit_test_batches=2,
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
@@ -214,6 +219,7 @@ def main(out: str, tp: int, sampler_mutant: bool = False, manual: bool = False, 
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=loader)
     in_fit = float(trainer.callback_metrics["train_loss"])
     val = float(trainer.validate(module, dataloaders=loader, verbose=False)[0]["val_loss"])
+    tested = float(trainer.test(module, dataloaders=loader, verbose=False)[0]["test_loss"])
     predicted = torch.cat(trainer.predict(module, dataloaders=_data(global_batch // dp)))
     ckpt = Path(out).with_suffix(".ckpt")
     trainer.save_checkpoint(ckpt, weights_only=False)
@@ -224,6 +230,7 @@ def main(out: str, tp: int, sampler_mutant: bool = False, manual: bool = False, 
                 "params": record.params,
                 "train_loss": in_fit,
                 "val_loss": val,
+                "test_loss": tested,
                 "predicted": predicted,
                 "mesh": strategy.device_mesh.mesh_dim_names,
                 "saved": ckpt.is_dir(),

@@ -3,8 +3,9 @@
 ``save(out)``: one process trains the tiny Llama 2 steps under Lightning's default strategy and saves
 ``out.ckpt`` with ``trainer.save_checkpoint`` (one file); it also writes ``out`` with the full weights and the
 optimizer state keyed by parameter name as torch names them (independent of the loader under test).
-``resume(out, pp)``: TitanStrategy (dp over the world, or pp) fits from that file to step 3; at the start of
-training it writes the weights and optimizer state it restored (gathered in full) and the step it resumed at.
+``resume(out, source, layout)``: TitanStrategy (dp over the world, or ``"tp"``/``"pp"`` 2) fits from that file to
+step 3; at the start of training it writes the weights and optimizer state it restored (gathered in full) and the
+step it resumed at. ``plain``: the same with the plain LightningModule of ``scripts/plain_module.py``.
 (tests/unit/strategies/test_lightning_conventions.py compares them.)
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from lit_titan import PretrainModule, TitanStrategy
 from lit_titan.data import PretrainDataModule
+from scripts import plain_module
 
 
 def _module() -> PretrainModule:
@@ -68,9 +70,18 @@ def _full_state(module: PretrainModule) -> dict:
     }
 
 
-def save(out: str) -> None:
-    module, trainer = _module(), _trainer("auto", 2)
-    trainer.fit(module, datamodule=_data())
+def _fit(trainer: L.Trainer, module: L.LightningModule, ckpt_path: Path | None = None, dp: int = 1) -> None:
+    """The tiny Llama on its data module, or the plain module (``scripts/plain_module.py``) on its rows."""
+    if isinstance(module, PretrainModule):
+        trainer.fit(module, datamodule=_data(), ckpt_path=ckpt_path)
+    else:
+        rows = plain_module._data(4 // dp)
+        trainer.fit(module, train_dataloaders=rows, val_dataloaders=rows, ckpt_path=ckpt_path)
+
+
+def save(out: str, plain: bool = False) -> None:
+    module, trainer = plain_module.PlainGPT() if plain else _module(), _trainer("auto", 2)
+    _fit(trainer, module)
     trainer.save_checkpoint(Path(out).with_suffix(".ckpt"), weights_only=False)
     torch.save(_full_state(module), out)
 
@@ -86,7 +97,9 @@ class Restored(L.Callback):
             torch.save(state, self.out)
 
 
-def resume(out: str, source: str, pp: int = 1) -> None:
-    strategy = TitanStrategy(pp=pp)
+def resume(out: str, source: str, layout: str | None = None, plain: bool = False) -> None:
+    strategy = TitanStrategy(**({layout: 2} if layout else {}))
     trainer = _trainer(strategy, 3, [Restored(out)])
-    trainer.fit(_module(), datamodule=_data(), ckpt_path=Path(source).with_suffix(".ckpt"))
+    module = plain_module.PlainGPT() if plain else _module()
+    dp = trainer.world_size // (2 if layout == "tp" else 1)
+    _fit(trainer, module, Path(source).with_suffix(".ckpt"), dp)

@@ -64,19 +64,30 @@ def test_a_single_file_checkpoint_is_refused_in_one_line():
 
 @pytest.fixture(scope="module")
 def single_file(worlds, tmp_path_factory):
-    """Two steps under Lightning's default one-device strategy, saved as one file by ``trainer.save_checkpoint``."""
-    out = tmp_path_factory.mktemp("single-file") / "source.pt"
-    worlds.run(1, "scripts.single_file_resume:save", str(out))
-    return out
+    """Two steps under Lightning's default one-device strategy, saved as one file by ``trainer.save_checkpoint``:
+    ``single_file(plain)``, the tiny Llama's or the plain LightningModule's (``scripts/plain_module.py``)."""
+    made = {}
+
+    def make(plain: bool) -> Path:
+        if plain not in made:
+            made[plain] = tmp_path_factory.mktemp("single-file") / "source.pt"
+            worlds.run(1, "scripts.single_file_resume:save", str(made[plain]), plain)
+        return made[plain]
+
+    return make
 
 
 @pytest.mark.slow
-def test_fit_from_a_single_file_checkpoint_restores_it_at_dp2(single_file, worlds, tmp_path):
+@pytest.mark.parametrize(
+    ("layout", "plain"), [(None, False), ("tp", False), ("tp", True)], ids=["dp2", "tp2", "plain_module_tp2"]
+)
+def test_fit_from_a_single_file_checkpoint_restores_it(layout, plain, single_file, worlds, tmp_path):
     """Every weight and every optimizer state tensor restored exactly (the optimizer state is saved by position:
     a mapping to the wrong parameter would move its moments), and the step; then it trains on."""
     out = tmp_path / "restored.pt"
-    worlds.run(2, "scripts.single_file_resume:resume", str(out), str(single_file))
-    got, want = torch.load(out, weights_only=True), torch.load(single_file, weights_only=True)
+    source = single_file(plain)
+    worlds.run(2, "scripts.single_file_resume:resume", str(out), str(source), layout, plain)
+    got, want = torch.load(out, weights_only=True), torch.load(source, weights_only=True)
     assert got["global_step"] == 2
     assert sorted(got["weights"]) == sorted(want["weights"])
     for name, t in want["weights"].items():
@@ -93,5 +104,5 @@ def test_a_single_file_checkpoint_under_pipeline_parallelism_is_refused_in_one_l
     from world import CaseFailed
 
     with pytest.raises(CaseFailed) as info:
-        worlds.run(2, "scripts.single_file_resume:resume", str(tmp_path / "x.pt"), str(single_file), 2)
+        worlds.run(2, "scripts.single_file_resume:resume", str(tmp_path / "x.pt"), str(single_file(False)), "pp")
     assert "resume it under the layout it was saved with, or under one without pipeline parallelism" in str(info.value)

@@ -46,8 +46,9 @@ def test_a_plain_module_trains_equal_to_one_process(tp, reference, worlds, tmp_p
     # the reference learns and Lightning's clipping engages (norms above gradient_clip_val=0.5)
     norms = [torch.cat([g.flatten() for g in step.values()]).norm().item() for step in reference["grads"]]
     assert min(norms) > 0.5, norms
-    for key in ("train_loss", "val_loss"):
+    for key in ("train_loss", "val_loss", "test_loss"):
         assert got[key] == pytest.approx(reference[key], rel=TOL), key
+    assert got["test_loss"] == pytest.approx(got["val_loss"], rel=TOL)  # the same rows and weights
     rows = reference["predicted"] if tp == 2 else reference["predicted"][0::2]  # dp2: rank 0's rows
     assert torch.equal(got["predicted"], rows)
     assert got["saved"]
