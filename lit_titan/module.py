@@ -231,7 +231,8 @@ class PretrainModule(L.LightningModule, ModuleContract):
         micro-batches, so the mean is the step's loss: the plain mean when every micro-batch holds as many
         valid targets."""
         # Starts from the first micro-batch's loss, on its device: no host-made zero to copy over.
-        loss = _plain(loss.detach()).float()
+        loss = _plain(loss.detach())
+        loss = loss.to(torch.promote_types(loss.dtype, torch.float32))  # 64-true logs in float64
         self._step_loss = loss if self._micro_batches == 0 else self._step_loss + loss
         aux = self._micro_batch_aux_loss()
         if aux is not None:
@@ -252,7 +253,7 @@ class PretrainModule(L.LightningModule, ModuleContract):
                 return None
             return take_injected_aux_loss(self.model, self.strategy_contract.root_device)
         aux = self.model.last_aux_loss
-        return None if aux is None else _plain(aux).float()
+        return None if aux is None else _plain(aux).to(torch.promote_types(aux.dtype, torch.float32))
 
     def record_val_loss(self, loss: Tensor) -> None:
         self.log("val/loss", _plain(loss.detach()), sync_dist=True, prog_bar=True)

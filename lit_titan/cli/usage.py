@@ -26,7 +26,10 @@ KEYS = (
     ("resume", "auto: continue from the newest complete checkpoint of run_dir; or a checkpoint PATH"),
     ("cluster.devices", "processes (CPU) or GPUs per node"),
     ("parallel.dp_shard", "FSDP degree (-1: the remaining ranks); also parallel.tp, pp, cp, dp_replicate"),
-    ("precision", "32-true | bf16-mixed | bf16-true (default: the cluster profile's)"),
+    (
+        "precision",
+        "32-true | bf16-mixed | bf16-true | 64-true (float64, for parity checks; default: the cluster profile's)",
+    ),
     ("checkpoint.every_n_steps", "save a sharded checkpoint every N steps (0: at the end only)"),
     ("data.path", "your text or token shards (with data=text or data=tokens)"),
     ("module._target_", "your PretrainModule subclass, package.module.Class (+module.ARG=VALUE: its own arguments)"),

@@ -129,10 +129,20 @@ def trainer_arguments(cfg: DictConfig, spec: JobSpec) -> dict[str, Any]:
         "accelerator": cluster.accelerator,
         "devices": cluster.devices,
         "num_nodes": cluster.num_nodes,
-        "precision": spec.precision,
+        **precision_arguments(spec.precision),
         # one Lightning batch is a rank's whole step: TitanStrategy's step runner makes the micro-batches
         "accumulate_grad_batches": 1,
     }
+
+
+def precision_arguments(precision: str) -> dict[str, Any]:
+    """The Trainer's precision: ``64-true`` as Lightning's ``DoublePrecision`` plugin, which Lightning's flag check
+    refuses for a ``ModelParallelStrategy`` (TitanStrategy's base) though nothing in it needs fewer bits."""
+    if precision == "64-true":
+        from lightning.pytorch.plugins.precision import DoublePrecision
+
+        return {"plugins": [DoublePrecision()]}
+    return {"precision": precision}
 
 
 def tensorboard_dir(cfg: DictConfig) -> str | None:

@@ -14,7 +14,8 @@ from typing import Any
 
 from lit_titan.settings import non_empty_str, setting
 
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+# 64-true: float64 end to end on CPU, for parity checks (tolerances ~1e-10 instead of ~1e-5), not for training speed
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 LAUNCHERS = ("torchrun", "srun")  # how `lit-titan launch` starts a job (cli/launch.py)
 

@@ -35,9 +35,11 @@ def mixed_precision_for(precision: str) -> tuple[torch.dtype | None, torch.dtype
         return torch.bfloat16, torch.float32
     if precision in ("bf16-true", "bf16"):
         return torch.bfloat16, torch.bfloat16
-    if precision in ("32-true", "32"):
+    if precision in ("32-true", "32", "64-true", "64"):
         return None, None
-    raise ValueError(f"precision={precision!r} is not supported by TitanStrategy; use 32-true, bf16-mixed or bf16-true")
+    raise ValueError(
+        f"precision={precision!r} is not supported by TitanStrategy; use 32-true, bf16-mixed, bf16-true or 64-true"
+    )
 
 
 def apply_fsdp(

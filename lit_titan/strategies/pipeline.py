@@ -205,11 +205,13 @@ class PipelineRunner:
     def _loss_sum(self, losses: list[Tensor], sum_over_stages: bool = True) -> Tensor:
         """The sum of the last stage's weighted micro-batch losses; the same on every pipeline rank when
         ``sum_over_stages`` (an all-reduce over the pp group), else zero off the last stage."""
+        # fp32 at least (float64 under precision=64-true), the same on every stage: the all-reduce needs one dtype
+        dtype = torch.promote_types(next(self.stages[0].submod.parameters()).dtype, torch.float32)
         if self.has_last and losses:
-            loss = torch.stack([_plain(loss.detach()).float() for loss in losses]).sum()
+            loss = torch.stack([_plain(loss.detach()).to(dtype) for loss in losses]).sum()
         else:
             # made on the device: a host-made zero would be a blocking copy to the GPU per micro-batch
-            loss = torch.zeros((), dtype=torch.float32, device=self.stages[0].device)
+            loss = torch.zeros((), dtype=dtype, device=self.stages[0].device)
         loss = loss.to(self.stages[0].device)
         if sum_over_stages:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.pp_group)

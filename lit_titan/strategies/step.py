@@ -201,7 +201,7 @@ class StepRunner:
                 loss = loss + aux * (aux_weight - (count * factor).to(aux.dtype))
         with phase(clock, "backward"):
             loss.backward()
-        return _plain(loss.detach()).float()
+        return _plain(loss.detach()).to(torch.promote_types(loss.dtype, torch.float32))
 
     def _no_sync(self, last: bool):
         return nullcontext() if last else self.strategy.block_backward_sync()
@@ -236,7 +236,7 @@ class StepRunner:
             else:
                 # without gradients an MoE model adds no auxiliary loss: val/loss is the LM loss alone
                 loss = weigh(module.model_loss(x, y, **kw), y, module.count_targets(y), factor)
-                losses.append(_plain(loss.detach()).float())
+                losses.append(_plain(loss.detach()).to(torch.promote_types(loss.dtype, torch.float32)))
         return torch.stack(losses).sum()
 
 
