@@ -252,18 +252,6 @@ def expert_parallel_with_fullgraph_compile(cfg: DictConfig, args: ModelArgs, dim
         )
 
 
-def expert_parallel_in_float64(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
-    """Where the experts' FSDP dim has one rank (dp_shard x cp = ep), FSDP (torch 2.14) divides a float64 expert
-    gradient twice, in its single-rank copy and again by the factors it keeps for dtypes other than fp32/bf16:
-    half the gradient, against one process. Sharded experts (efsdp > 1) reduce right in float64."""
-    if str(cfg.get("precision")) == "64-true" and dims.ep > 1 and dims.efsdp == 1:
-        raise ConfigError(
-            f"precision=64-true with parallel.ep={dims.ep} and the experts unsharded (dp_shard x cp = ep): FSDP "
-            f"would halve their float64 gradients; give dp_shard x cp > ep (e.g. cluster.devices={2 * dims.world_size}) "
-            f"or use precision=32-true"
-        )
-
-
 def cp_mode_fits_model(cfg: DictConfig, args: ModelArgs, dims: ParallelDims) -> None:
     """Ulysses shards the heads over tp x cp: both head counts must divide (every mode takes document masks)."""
     mode = cfg.parallel.get("cp_mode", "allgather")
@@ -391,7 +379,6 @@ LAYOUT_RULES = (
     experts_fit_ep,
     expert_parallel_with_selective_op_checkpointing,
     expert_parallel_with_fullgraph_compile,
-    expert_parallel_in_float64,
     attention_backend,
     pipeline_validation,
     fault_tolerance_layout,

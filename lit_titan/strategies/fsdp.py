@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -85,8 +86,10 @@ def apply_expert_fsdp(experts: list[nn.Module], mesh, precision: str, cfg: FSDPC
 
     FSDP reduce-scatters with a pre-multiplied sum for a factor other than its mesh size, which gloo
     lacks, so sharded experts reduce with SUM and divide after. Not when the experts' shard dim has
-    one rank (``ep`` = dp_shard x cp): there FSDP (torch 2.15) divides in its copy *and* again after
-    a forced SUM, a gradient ``divide_factor`` times too small, while its default path divides once.
+    one rank (``ep`` = dp_shard x cp): there FSDP divides by a given factor in its single-rank copy
+    *and* again where it reduces by SUM (forced, or its path for dtypes other than fp32/bf16: float64),
+    a gradient ``divide_factor`` times too small. So there FSDP keeps its default (the mean over its
+    mesh: the HSDP replicas, else nothing) and a hook after its reduction divides by the rest.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -94,11 +97,18 @@ def apply_expert_fsdp(experts: list[nn.Module], mesh, precision: str, cfg: FSDPC
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     kwargs = {"offload_policy": CPUOffloadPolicy()} if cfg.cpu_offload else {}
     sharded = mesh.size(mesh.ndim - 1) > 1
+    rest = float(divide_factor) / mesh.size()
     for module in experts:
         fully_shard(module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=policy, **kwargs)
-        module.set_gradient_divide_factor(float(divide_factor))
         if sharded:
+            module.set_gradient_divide_factor(float(divide_factor))
             module.set_force_sum_reduction_for_comms(True)
+        elif rest != 1:
+            module.set_all_reduce_hook(partial(_divide_, rest))
+
+
+def _divide_(factor: float, reduced: torch.Tensor) -> None:
+    reduced.div_(factor)
 
 
 def fsdp_modules(roots: Iterable[nn.Module]) -> list[nn.Module]:

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_titan.config import compose, validate
-from lit_titan.errors import ConfigError
-from parity import CASES, EP_CASES, MASKED_DROP, MOE, PARITY, Tolerance, check_case, measure, run_layout
+from parity import CASES, EP_CASES, MASKED_DROP, MOE, Tolerance, check_case, measure, run_layout
 from parity import run_user_case as _run_user
 
 pytestmark = [pytest.mark.slow, pytest.mark.parity]
@@ -30,7 +28,10 @@ DENSE = {
     "cp2_ring": CASES["cp2_ring"],
     "cp2_ulysses": CASES["cp2_ulysses"],
 }
-MOE_CASES = {"ep2xdp2": ["cluster.devices=4", "parallel.ep=2"]}  # experts sharded over efsdp 2 x ep 2
+MOE_CASES = {
+    "ep2xdp2": ["cluster.devices=4", "parallel.ep=2"],  # experts sharded over efsdp 2 x ep 2
+    "ep2": EP_CASES["ep2"],  # the experts' FSDP dim one rank (dp_shard x cp = ep)
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +56,6 @@ def test_expert_parallel_equals_one_process_in_float64(case, moe_reference64, tm
     # the MoE reference learns 0.46 in its 8 steps (6.66 -> 6.20), with clipping engaged at every step
     report = check_case(f"f64_{case}", moe_reference64, got, tol=TOL64, min_loss_drop=0.4)
     print(f"f64_{case}: {report.summary()}")
-
-
-def test_float64_expert_parallel_with_unsharded_experts_is_refused_in_one_line():
-    """dp_shard x cp = ep leaves the experts' FSDP dim one rank, where FSDP halves float64 expert gradients."""
-    with pytest.raises(ConfigError) as info:
-        validate(compose([*PARITY, *F64, *MOE, *EP_CASES["ep2"]]))
-    msg = str(info.value)
-    assert msg.startswith("precision=64-true: with parallel.ep=2 and the experts unsharded") and "\n" not in msg
 
 
 def test_the_normaliser_mutant_misses_by_orders_of_magnitude_more_in_float64(worlds, tmp_path):

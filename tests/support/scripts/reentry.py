@@ -21,19 +21,12 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_titan import PretrainModule, TitanStrategy
-from lit_titan.data import PretrainDataModule
+from lit_titan import TitanStrategy
+from scripts.single_file_resume import tiny_data, tiny_llama
 
 
 def main(out: str, fresh_weights: bool = False, layout: str | None = None) -> None:
-    data = PretrainDataModule(
-        seq_len=32,
-        global_batch_size=4,
-        max_bytes=300_000,
-        tokenizer={"kind": "bpe", "vocab_size": 512},
-        model_vocab_size=512,
-        data_dir=os.environ["LIT_TITAN_CACHE"],
-    )
+    data = tiny_data()
     strategy = TitanStrategy(**({layout: 2} if layout else {}))
     if fresh_weights:
         strategy._reentered = lambda: False  # the mutant: every Trainer entry builds the model anew
@@ -55,11 +48,7 @@ def main(out: str, fresh_weights: bool = False, layout: str | None = None) -> No
         enable_model_summary=False,
     )
     with trainer.init_module(empty_init=True):  # built on the meta device; the strategy materialises it
-        module = PretrainModule(
-            "llama3_debug",
-            {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
-            {"total_steps": 3, "lr": 1e-2, "warmup_steps": 0},
-        )
+        module = tiny_llama()
     trainer.fit(module, datamodule=data)
     in_fit = float(trainer.callback_metrics["val/loss"])
     after = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])

@@ -22,7 +22,7 @@ from lit_titan.data import PretrainDataModule
 from scripts import plain_module
 
 
-def _module() -> PretrainModule:
+def tiny_llama() -> PretrainModule:
     return PretrainModule(
         "llama3_debug",
         {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
@@ -30,7 +30,7 @@ def _module() -> PretrainModule:
     )
 
 
-def _data() -> PretrainDataModule:
+def tiny_data() -> PretrainDataModule:
     return PretrainDataModule(
         seq_len=32,
         global_batch_size=4,
@@ -73,14 +73,14 @@ def _full_state(module: PretrainModule) -> dict:
 def _fit(trainer: L.Trainer, module: L.LightningModule, ckpt_path: Path | None = None, dp: int = 1) -> None:
     """The tiny Llama on its data module, or the plain module (``scripts/plain_module.py``) on its rows."""
     if isinstance(module, PretrainModule):
-        trainer.fit(module, datamodule=_data(), ckpt_path=ckpt_path)
+        trainer.fit(module, datamodule=tiny_data(), ckpt_path=ckpt_path)
     else:
         rows = plain_module._data(4 // dp)
         trainer.fit(module, train_dataloaders=rows, val_dataloaders=rows, ckpt_path=ckpt_path)
 
 
 def save(out: str, plain: bool = False) -> None:
-    module, trainer = plain_module.PlainGPT() if plain else _module(), _trainer("auto", 2)
+    module, trainer = plain_module.PlainGPT() if plain else tiny_llama(), _trainer("auto", 2)
     _fit(trainer, module)
     trainer.save_checkpoint(Path(out).with_suffix(".ckpt"), weights_only=False)
     torch.save(_full_state(module), out)
@@ -100,6 +100,6 @@ class Restored(L.Callback):
 def resume(out: str, source: str, layout: str | None = None, plain: bool = False) -> None:
     strategy = TitanStrategy(**({layout: 2} if layout else {}))
     trainer = _trainer(strategy, 3, [Restored(out)])
-    module = plain_module.PlainGPT() if plain else _module()
+    module = plain_module.PlainGPT() if plain else tiny_llama()
     dp = trainer.world_size // (2 if layout == "tp" else 1)
     _fit(trainer, module, Path(source).with_suffix(".ckpt"), dp)
