@@ -13,6 +13,7 @@ _HOMES = {
     "Compile": "compile",
     "FaultInjection": "fault_injection",
     "Float8": "float8",
+    "KnownNormCheck": "known_norm",
     "NonFiniteError": "nonfinite",
     "NonFiniteGuard": "nonfinite",
     "Profiler": "profiler",

@@ -137,6 +137,20 @@ def train_case(argv: list[str], out_dir: str, steps: list[int], mutant: str | No
         return run_app(argv, partial(train, callbacks=[ParityDump(out_dir, steps)]))
 
 
+def known_norm_case(argv: list[str], mutant: str | None = None) -> dict[str, float]:
+    """``lit_titan.train.main(argv)`` with a ``KnownNormCheck`` at step 0: the norm of all-ones gradients and the
+    square root of the parameter count it must equal."""
+    from lit_titan.callbacks.known_norm import KnownNormCheck
+    from lit_titan.cli.hydra_app import run_app
+    from lit_titan.job.run import train
+    from mutants import applied
+
+    check = KnownNormCheck(step=0)
+    with applied(mutant):
+        run_app(argv, partial(train, callbacks=[check]))
+    return {"expected": check.expected, "measured": check.measured}
+
+
 def run_user_case(worlds, module: str, overrides: list[str], run_dir: Path, mutant: str | None = None) -> Path:
     """``run_layout`` with a user's subclass (``tests/support/user_modules.py``, by name) as the job's module."""
     from world import devices_of

@@ -234,6 +234,24 @@ def _norm_pp(p: _Patcher) -> None:
     p.set(module, "total_grad_norm", lambda params, pp_group=None, norm_type=2.0: original(params, None, norm_type))
 
 
+@mutant(
+    "grad_norm_counts_experts_twice",
+    "the global grad norm counts the stacked expert weights twice (once more beside their own mesh's group)",
+    "strategies/grad_norm.py: total_grad_norm",
+)
+def _norm_experts_twice(p: _Patcher) -> None:
+    import lit_titan.module as module
+    from lit_titan.strategies import grad_norm
+
+    original = grad_norm.total_grad_norm
+
+    def total_grad_norm(params, pp_group=None, norm_type=2.0):
+        params = list(params)
+        return original(params + [q for q in params if q.ndim == 3], pp_group, norm_type)
+
+    p.set(module, "total_grad_norm", total_grad_norm)
+
+
 def _patch_fsdp_divide(p: _Patcher, factor: Callable[[Any], float]) -> None:
     from lit_titan.strategies import strategy
 
