@@ -17,6 +17,7 @@ _HOMES = {
     "NonFiniteError": "nonfinite",
     "NonFiniteGuard": "nonfinite",
     "Profiler": "profiler",
+    "ReplicaDivergenceCheck": "replica_check",
     "RunSummary": "run_summary",
     "StepProgressBar": "progress",
     "StragglerReport": "straggler",

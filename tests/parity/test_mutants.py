@@ -103,6 +103,7 @@ OWN_TESTS = {
     "normaliser_count_one_rank": "test_user_loss.py::test_normaliser_mutants_are_caught_with_a_10x_margin",
     "normaliser_per_micro_batch_mean": "test_user_loss.py::test_normaliser_mutants_are_caught_with_a_10x_margin",
     "grad_norm_counts_experts_twice": "test_known_norm.py::test_a_parameter_left_out_of_the_norm_or_counted_twice_misses_it",
+    "silent_corruption_on_one_rank": "test_replica_check.py::test_a_copy_that_drifts_is_found_by_name",
 }
 
 # MoE mutants: against the MoE family's own one-process reference (tests/support/moe_parity.py), mutant ->

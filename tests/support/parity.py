@@ -151,6 +151,19 @@ def known_norm_case(argv: list[str], mutant: str | None = None) -> dict[str, flo
     return {"expected": check.expected, "measured": check.measured}
 
 
+def replica_check_case(argv: list[str], mutant: str | None = None) -> dict[str, Any]:
+    """``lit_titan.train.main(argv)`` with a ``ReplicaDivergenceCheck`` after every step, findings recorded."""
+    from lit_titan.callbacks.replica_check import ReplicaDivergenceCheck
+    from lit_titan.cli.hydra_app import run_app
+    from lit_titan.job.run import train
+    from mutants import applied
+
+    check = ReplicaDivergenceCheck(every_n_steps=1, action="record")
+    with applied(mutant):
+        run_app(argv, partial(train, callbacks=[check]))
+    return {"divergent": check.divergent, "checked": check.checked}
+
+
 def run_user_case(worlds, module: str, overrides: list[str], run_dir: Path, mutant: str | None = None) -> Path:
     """``run_layout`` with a user's subclass (``tests/support/user_modules.py``, by name) as the job's module."""
     from world import devices_of

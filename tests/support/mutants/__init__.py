@@ -252,6 +252,29 @@ def _norm_experts_twice(p: _Patcher) -> None:
     p.set(module, "total_grad_norm", total_grad_norm)
 
 
+@mutant(
+    "silent_corruption_on_one_rank",
+    "rank 1's copy of every parameter moves one ulp after each optimizer step (a node corrupting memory)",
+    "any replicated state (LightningModule.optimizer_step)",
+)
+def _corrupt_one_rank(p: _Patcher) -> None:
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+
+    original = pl.LightningModule.optimizer_step
+
+    def optimizer_step(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                for q in self.parameters():
+                    local = q.to_local() if hasattr(q, "to_local") else q
+                    local.copy_(torch.nextafter(local, torch.full_like(local, float("inf"))))
+
+    p.set(pl.LightningModule, "optimizer_step", optimizer_step)
+
+
 def _patch_fsdp_divide(p: _Patcher, factor: Callable[[Any], float]) -> None:
     from lit_titan.strategies import strategy
 
