@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from lit_titan.callbacks.settings import ReplicaCheckConfig
+from lit_titan.settings import settings_of
 from lit_titan.strategies.contract import contract
 
 
@@ -36,11 +38,14 @@ class ReplicaDivergenceCheck(pl.Callback):
     in ``divergent`` (``"name [mesh dim]: ranks r0, r1 differ"``) for a report. ``checked`` counts the tensors compared.
     """
 
-    def __init__(self, every_n_steps: int = 1, action: str = "raise") -> None:
-        if action not in ("raise", "record"):
-            raise ValueError(f"ReplicaDivergenceCheck(action={action!r}): choose raise or record")
-        self.every_n_steps = every_n_steps
-        self.action = action
+    def __init__(self, settings: ReplicaCheckConfig | None = None, **keys: Any) -> None:
+        s = self.settings = settings_of(ReplicaCheckConfig, settings, keys)
+        if s.action not in ("raise", "record"):
+            raise ValueError(f"ReplicaDivergenceCheck(action={s.action!r}): choose raise or record")
+        if s.every_n_steps < 1:
+            raise ValueError("ReplicaDivergenceCheck every_n_steps must be >= 1")
+        self.every_n_steps = int(s.every_n_steps)
+        self.action = s.action
         self.divergent: list[str] = []
         self.checked = 0
 

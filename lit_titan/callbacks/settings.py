@@ -86,6 +86,13 @@ class ProfilerConfig:
 
 
 @dataclass
+class ReplicaCheckConfig:
+    _target_: str = setting("lit_titan.callbacks.ReplicaDivergenceCheck")
+    every_n_steps: int = setting(1000, ge=1)
+    action: str = setting("raise", choices=("raise", "record"))
+
+
+@dataclass
 class StragglerConfig:
     _target_: str = setting("lit_titan.callbacks.StragglerReport")
     every_n_steps: int = setting(100, ge=1)
@@ -124,6 +131,7 @@ TARGETS: dict[str, type] = {
         CompileConfig,
         Float8Config,
         ProfilerConfig,
+        ReplicaCheckConfig,
         StragglerConfig,
         ThroughputConfig,
         TimelineConfig,

@@ -158,7 +158,7 @@ def replica_check_case(argv: list[str], mutant: str | None = None) -> dict[str, 
     from lit_titan.job.run import train
     from mutants import applied
 
-    check = ReplicaDivergenceCheck(every_n_steps=1, action="record")
+    check = ReplicaDivergenceCheck(every_n_steps=1, action="record")  # keys of ReplicaCheckConfig
     with applied(mutant):
         run_app(argv, partial(train, callbacks=[check]))
     return {"divergent": check.divergent, "checked": check.checked}

@@ -249,7 +249,7 @@ def test_each_group_of_ours_is_its_components_settings():
     assert all(kind.__module__.endswith(".settings") for kind in groups.values())
     assert "model" not in groups and schema.train_schema("llama3_debug").__dataclass_fields__["model"].type
     callbacks = {t: kind for t, kind in TARGET_SCHEMAS.items() if t.startswith("lit_titan.callbacks.")}
-    assert len(callbacks) == 8
+    assert len(callbacks) == 9
     for target, kind in callbacks.items():
         module, _, name = target.rpartition(".")
         settings = inspect.signature(getattr(importlib.import_module(module), name)).parameters["settings"]
