@@ -186,3 +186,48 @@ def test_a_plain_module_built_on_the_meta_device_is_materialised_in_setup():
     _plain_strategy(module).setup(Mock())
     assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
     assert torch.equal(module.scale, torch.full((2,), 2.0))
+
+
+# Where TitanStrategy answers otherwise than Lightning's strategy, on purpose: asserted here, said in the README.
+def test_sizes_that_do_not_multiply_to_the_world_are_one_line_naming_the_fix():
+    """Lightning: "multiplied should equal the world size"; here the config's words, before any process group."""
+    from lit_titan.strategies.parallel_dims import LayoutError, ParallelDims
+
+    with pytest.raises(LayoutError) as info:
+        ParallelDims.resolve(8, dp_shard=2, tp=3)
+    msg = str(info.value)
+    assert "\n" not in msg and "but the world size is 8" in msg and "parallel.dp_shard=-1" in msg, msg
+
+
+def test_storage_options_and_a_checkpoint_that_is_neither_a_file_nor_a_sharded_directory_are_refused(tmp_path):
+    """As Lightning's: no ``storage_options`` (its CheckpointIO is not used); an empty directory is no checkpoint."""
+    from unittest.mock import Mock
+
+    import lightning as L
+
+    from lit_titan import TitanStrategy
+    from lit_titan.checkpoint.layout import CheckpointError
+
+    with pytest.raises(TypeError, match="storage_options"):
+        TitanStrategy().save_checkpoint({}, tmp_path / "x", storage_options=Mock())
+    strategy = _plain_strategy(L.LightningModule())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="has no .metadata|is not a checkpoint"):
+        strategy.load_checkpoint(tmp_path / "empty")
+
+
+def test_a_module_wrapped_by_the_legacy_fsdp_is_refused():
+    """FSDP2 only, as Lightning's strategy (the plain path is its setup)."""
+    from unittest.mock import Mock
+
+    import lightning as L
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class Configured(L.LightningModule):
+        def configure_model(self) -> None:
+            pass
+
+    module = Configured()
+    module.modules = Mock(return_value=[Mock(spec=FullyShardedDataParallel)])
+    with pytest.raises(TypeError, match="only supports the new FSDP2 APIs"):
+        _plain_strategy(module).setup(Mock())
