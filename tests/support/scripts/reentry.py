@@ -21,8 +21,19 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_titan import TitanStrategy
+from lit_titan import PretrainModule, TitanStrategy
 from scripts.single_file_resume import tiny_data, tiny_llama
+
+
+class OwnHooks(PretrainModule):
+    """A subclass with Lightning hooks of its own (not the step, which the strategy runs): they run on every layout."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.log("user/batches", float(batch_idx + 1))
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("user/validations", 1.0, sync_dist=True)
 
 
 def main(out: str, fresh_weights: bool = False, layout: str | None = None) -> None:
@@ -48,9 +59,10 @@ def main(out: str, fresh_weights: bool = False, layout: str | None = None) -> No
         enable_model_summary=False,
     )
     with trainer.init_module(empty_init=True):  # built on the meta device; the strategy materialises it
-        module = tiny_llama()
+        module = tiny_llama(OwnHooks)
     trainer.fit(module, datamodule=data)
     in_fit = float(trainer.callback_metrics["val/loss"])
+    user = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("user/")}
     after = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"])
     tested = float(trainer.test(module, datamodule=data, verbose=False)[0]["test/loss"])
     try:
@@ -67,6 +79,7 @@ def main(out: str, fresh_weights: bool = False, layout: str | None = None) -> No
         torch.save(
             {
                 "in_fit": in_fit,
+                "user": user,
                 "after_fit": after,
                 "test": tested,
                 "predicted": predicted,

@@ -22,8 +22,8 @@ from lit_titan.data import PretrainDataModule
 from scripts import plain_module
 
 
-def tiny_llama() -> PretrainModule:
-    return PretrainModule(
+def tiny_llama(cls: type[PretrainModule] = PretrainModule) -> PretrainModule:
+    return cls(
         "llama3_debug",
         {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
         {"total_steps": 3, "lr": 1e-2, "warmup_steps": 0},

@@ -31,6 +31,7 @@ def test_validate_test_predict_after_fit_see_the_trained_weights(ranks, layout, 
     (refused in one line under pp2), and the Trainer saves a checkpoint after fit (its process group still lives)."""
     got = one_process if ranks == 1 else _reentry(worlds, tmp_path / "reentry.pt", ranks, layout)
     assert got["in_fit"] == pytest.approx(one_process["in_fit"], rel=1e-5), (got, one_process)
+    assert got["user"] == {"user/batches": 3.0, "user/validations": 1.0}, got  # the subclass's own hooks ran
     assert got["saved"], got
     assert got["after_fit"] == pytest.approx(got["in_fit"], rel=1e-6), got
     assert got["test"] == pytest.approx(got["in_fit"], rel=1e-6), got
