@@ -161,8 +161,14 @@ def _job(run_dir: Path, kill_step: int, restart: bool, overrides: list[str], mut
             procs[-1].start()
         # Group 0's first rank waits at step KILL_STEP + 1 (fault.pause) until the restarted ranks wait to be
         # admitted: however loaded the machine, they rejoin before the run ends.
+        # The signal goes once both have happened: the restarted ranks may reach their join before rank 0 reaches
+        # its pause (an idle machine), and a SIGCONT sent before the pause is lost (its handler is not yet set).
         deadline = time.monotonic() + 240
-        while store.add("lit_titan/ft/join/1", 0) < group and time.monotonic() < deadline:
+        paused = run_dir / "rank-0.log"
+        while time.monotonic() < deadline and (
+            store.add("lit_titan/ft/join/1", 0) < group
+            or not (paused.is_file() and "paused at step" in paused.read_text(errors="replace"))
+        ):
             time.sleep(0.05)
         os.kill(procs[0].pid, signal.SIGCONT)
     for proc in procs:
