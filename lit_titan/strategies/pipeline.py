@@ -180,6 +180,9 @@ class PipelineRunner:
 
         self.stages = [PipelineStage(v, i, num_stages, device, group=pp_group) for v, i in zip(views, ids)]
         self.has_last = any(i == num_stages - 1 for i in ids)
+        # The logged loss sum's dtype, the same on every stage (its all-reduce needs one): fp32 at least, float64
+        # under precision=64-true. Fixed once the weights exist, so taken here, not every step.
+        self._loss_dtype = torch.promote_types(next(views[0].parameters()).dtype, torch.float32)
         self.pp_group = pp_group
         self.microbatches = cfg.microbatches_for(dist.get_world_size(pp_group))
         self._loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None
@@ -205,8 +208,7 @@ class PipelineRunner:
     def _loss_sum(self, losses: list[Tensor], sum_over_stages: bool = True) -> Tensor:
         """The sum of the last stage's weighted micro-batch losses; the same on every pipeline rank when
         ``sum_over_stages`` (an all-reduce over the pp group), else zero off the last stage."""
-        # fp32 at least (float64 under precision=64-true), the same on every stage: the all-reduce needs one dtype
-        dtype = torch.promote_types(next(self.stages[0].submod.parameters()).dtype, torch.float32)
+        dtype = self._loss_dtype
         if self.has_last and losses:
             loss = torch.stack([_plain(loss.detach()).to(dtype) for loss in losses]).sum()
         else:
