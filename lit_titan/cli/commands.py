@@ -21,6 +21,10 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "train": Command("lit_titan.train", "train a Llama under any parallel layout (Hydra overrides; -m sweeps)"),
+    "verify": Command(
+        "lit_titan.cli.verify",
+        "prove a layout equal to one process on a shrunk copy of the job (float64, per parameter)",
+    ),
     "prepare": Command(
         "lit_titan.cli.prepare", "tokenize your text once into token shards (data=text data.path=DIR out=DIR)"
     ),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY, noise, read_metrics, run_cli, run_job
+from helpers import README_VERIFY, TINY, noise, read_metrics, run_cli, run_job
 from paths import ROOT
 
 
@@ -277,6 +277,7 @@ def test_help_imports_neither_torch_nor_lightning():
 README_COMMANDS = {
     "python -m lit_titan.train data=text data.path=my_texts/ trainer.max_steps=200": "test_two_process_run_on_own_text_with_accumulation_is_quiet_and_counts_optimizer_steps",
     "python -m lit_titan.train <notebook 04's SETTINGS + LAYOUT> run_dir=runs/to_parallel/dp2_tp2": "tests/docs/test_notebooks.py::test_notebook_runs[04_notebook_to_parallel]",
+    README_VERIFY: "tests/commands/test_verify_command.py::test_readme_verify_command",
 }
 
 
@@ -307,9 +308,9 @@ def test_readme_first_hour_commands_are_exercised():
     }
     assert named == set(README_COMMANDS), named
     for where in README_COMMANDS.values():
-        assert where.split("[")[0].split("::")[-1] in globals() or where.startswith("tests/docs/test_notebooks.py"), (
-            where
-        )
+        path, _, test = where.rpartition("::")
+        source = (ROOT / path).read_text() if path else ""
+        assert test.split("[")[0] in globals() or f"def {test.split('[')[0]}(" in source, where
 
 
 def test_csv_logger_warns_only_when_it_would_replace_metrics(tmp_path):

@@ -46,6 +46,12 @@ _JOB_ENV_DROP = (
     "PL_SEED_WORKERS",
 )
 
+# README's first hour, step "verify your layout before you scale" (tests/commands/test_first_hour.py checks it is there)
+README_VERIFY = (
+    "lit-titan verify model.dim=64 model.n_layers=2 model.n_heads=4 model.n_kv_heads=2 model.vocab_size=512 "
+    "data.seq_len=64 data.global_batch_size=8 data.max_bytes=300000 seed=0 cluster=cpu cluster.devices=4 parallel.tp=2"
+)
+
 
 def run_job(
     cmd: list[str],

@@ -6,14 +6,8 @@ m / sqrt(v) cancels the scale; and near the initial weights attention barely mov
 full gradient of every parameter before clipping, the global norm clipping used, and the weights
 after the step show both.
 
-``ParityDump`` is a test-only Lightning callback (nothing runs on the training path when it is not
-added): at each chosen optimizer step it gathers every parameter's full gradient *before* clipping
-(``on_before_optimizer_step``: callbacks run before the module's hook computes the norm, and
-clipping comes after both), then after the step the module's global norm and the full weights
-(with the persistent buffers, such as an MoE layer's expert bias), and rank 0 writes ``step-NNNNNN.pt``
-keyed by the single-device parameter names. Sharded (DTensor)
-tensors are gathered over their own mesh (``full_tensor``); pipeline stages hold disjoint
-parameters, so every rank's tensors go to rank 0 over the world group.
+The dump and the comparison are the library's (lit_titan/verify/: what ``lit-titan verify`` runs); this
+file holds the suite's regime, its cases and their runs.
 
 ``train_case`` runs in a reused world (tests/support/world.py): the real entry point
 (``lit_titan.cli.hydra_app.run_app`` with ``lit_titan.job.run.train``) with the callback added, optionally
@@ -22,104 +16,26 @@ with a mutant (tests/support/mutants/) applied for the case and undone afterward
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import lightning as L
-import torch
-
 from helpers import TINY
+from lit_titan.verify.compare import Report, Tolerance, compare, load_dumps, norms
+from lit_titan.verify.dump import ParityDump, single_device_name
 
-# Wrappers that activation checkpointing / compile insert into parameter names.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def single_device_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
+__all__ = ["ParityDump", "Report", "Tolerance", "compare", "load_dumps", "norms", "single_device_name"]
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    import logging
+def verify_side_case(
+    argv: list[str], run_dir: str, steps: list[int], known_norm_step: int | None, mutant: str | None = None
+) -> dict[str, Any]:
+    """One side of ``lit-titan verify`` (``lit_titan.cli.verify_side.run_side``), a mutant applied if named."""
+    from lit_titan.cli.verify_side import run_side
+    from mutants import applied
 
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if hasattr(t, "full_tensor"):
-        # Experts under EP x FSDP are (_StridedShard, Shard) on dim 0: torch warns that gathering them
-        # takes two all-gathers, which only this test-only dump does.
-        log = logging.getLogger("torch.distributed.tensor._redistribute")
-        level = log.level
-        log.setLevel(logging.ERROR)
-        try:
-            t = t.full_tensor()
-        finally:
-            log.setLevel(level)
-    while is_traceable_wrapper_subclass(t):  # Float8's weights wrap the plain weight: dumps load weights_only
-        t = getattr(t, t.__tensor_flatten__()[0][0])
-    return t.detach().to("cpu", copy=True)
-
-
-def _gather_to_rank0(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """Every rank's tensors merged on rank 0 (replicas send equal copies; the first one is kept)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return local
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, parts, dst=0)
-    if parts is None:
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        for name, t in part.items():
-            merged.setdefault(name, t)
-    return merged
-
-
-def _persistent_buffers(model: torch.nn.Module):
-    """Buffers a checkpoint holds (an MoE layer's expert bias): compared with the weights after each step."""
-    for prefix, module in model.named_modules():
-        for name, buf in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                yield f"{prefix}.{name}" if prefix else name, buf
-
-
-class ParityDump(L.Callback):
-    """Dump full pre-clip gradients, the global grad norm and post-step weights at ``steps``."""
-
-    def __init__(self, out_dir: str | Path, steps: list[int]) -> None:
-        self.out_dir = Path(out_dir)
-        self.steps = set(int(s) for s in steps)
-        self._pending: tuple[int, dict[str, torch.Tensor] | None] | None = None
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        step = trainer.global_step
-        if step not in self.steps:
-            return
-        grads = {
-            single_device_name(n): _full(p.grad) for n, p in pl_module.model.named_parameters() if p.grad is not None
-        }
-        self._pending = (step, _gather_to_rank0(grads))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._pending is None or trainer.global_step != self._pending[0] + 1:
-            return  # inside an accumulation window
-        step, grads = self._pending
-        self._pending = None
-        weights = {single_device_name(n): _full(p) for n, p in pl_module.model.named_parameters()}
-        weights.update({single_device_name(n): _full(b) for n, b in _persistent_buffers(pl_module.model)})
-        params = _gather_to_rank0(weights)
-        norm = pl_module._last_grad_norm
-        norm = float(_full(norm)) if norm is not None else math.nan
-        if trainer.global_rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {"step": step, "grads": grads, "norm": norm, "params": params}, self.out_dir / f"step-{step:06d}.pt"
-            )
+    with applied(mutant):
+        return run_side(argv, run_dir, steps, known_norm_step)
 
 
 def train_case(argv: list[str], out_dir: str, steps: list[int], mutant: str | None = None) -> dict[str, Any]:
@@ -193,77 +109,6 @@ def train_user_case(
         return train_case(argv, out_dir, steps, mutant)
     finally:
         lit_module.PretrainModule = original
-
-
-# ---- comparison (in the test process) ------------------------------------------------------------
-@dataclass(frozen=True)
-class Tolerance:
-    """Largest allowed error of each kind (each measured against a noise floor: see the tests)."""
-
-    grads: float  # per parameter: max |got - ref| / max |ref|, every dumped step
-    norm: float  # relative error of the global grad norm (clipping's)
-    params: float  # per parameter, weights after each dumped step
-    loss: float = 1e-5  # relative error of each step's logged loss
-
-
-@dataclass
-class Report:
-    """Worst error per kind, with where it was (step, parameter)."""
-
-    worst: dict[str, tuple[float, str]] = field(default_factory=dict)
-
-    def add(self, kind: str, err: float, where: str) -> None:
-        if kind not in self.worst or not (err <= self.worst[kind][0]):  # NaN counts as worst
-            self.worst[kind] = (err, where)
-
-    def margin(self, tol: Tolerance) -> tuple[float, str]:
-        """The largest error / tolerance over the kinds, and what it was (>1: parity fails)."""
-        best = (0.0, "")
-        for kind, (err, where) in self.worst.items():
-            ratio = math.inf if math.isnan(err) else err / getattr(tol, kind)
-            if ratio > best[0]:
-                best = (ratio, f"{kind} {where}: {err:.3g} (tolerance {getattr(tol, kind):.1g})")
-        return best
-
-    def summary(self) -> str:
-        return ", ".join(f"{k} {e:.3g} at {w}" for k, (e, w) in sorted(self.worst.items()))
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = ref.abs().max().item()
-    return (got.double() - ref.double()).abs().max().item() / (scale if scale > 0 else 1.0)
-
-
-def load_dumps(run_dir: Path | str) -> dict[int, dict[str, Any]]:
-    return {
-        int(p.stem.split("-")[1]): torch.load(p, weights_only=True) for p in sorted(Path(run_dir).glob("step-*.pt"))
-    }
-
-
-def compare(ref_dir: Path | str, got_dir: Path | str, steps: list[int] | None = None) -> Report:
-    """Per-parameter max relative error of gradients and weights, and the norm's, at every dumped step."""
-    ref, got = load_dumps(ref_dir), load_dumps(got_dir)
-    if steps is not None:
-        ref = {s: d for s, d in ref.items() if s in steps}
-    assert ref and sorted(ref) == sorted(got), f"dumped steps differ: reference {sorted(ref)}, got {sorted(got)}"
-    report = Report()
-    for step in sorted(ref):
-        r, g = ref[step], got[step]
-        for kind in ("grads", "params"):
-            missing = sorted(set(r[kind]) ^ set(g[kind]))
-            if missing:
-                report.add(kind, math.nan, f"step {step}: parameters only in one run: {missing[:4]}")
-                continue
-            for name, ref_t in r[kind].items():
-                got_t = g[kind][name]
-                err = math.nan if got_t.shape != ref_t.shape else _rel(got_t, ref_t)
-                report.add(kind, err, f"step {step} {name}")
-        report.add("norm", abs(g["norm"] - r["norm"]) / r["norm"], f"step {step}")
-    return report
-
-
-def norms(run_dir: Path | str) -> dict[int, float]:
-    return {step: d["norm"] for step, d in load_dumps(run_dir).items()}
 
 
 # ---- the shared regime and cases -----------------------------------------------------------------
