@@ -290,7 +290,8 @@ class MoE(nn.Module):
         # The detached shares this layer back-propagated itself (``losses_in_backward``) and their forwards.
         # Buffers, updated in place: torch's pipeline stage (2.15) runs a probe forward and backward before the
         # first micro-batch and restores every buffer afterwards, so the probe leaves nothing here.
-        self.register_buffer("injected_aux", torch.zeros((), dtype=torch.float32), persistent=False)
+        # float64: the logged loss of a float64 run keeps its precision (one scalar; nothing trains on it)
+        self.register_buffer("injected_aux", torch.zeros((), dtype=torch.float64), persistent=False)
         self.register_buffer("injected_forwards", torch.zeros((), dtype=torch.float32), persistent=False)
         # ``aux_loss_counts=step`` (``count_step_tokens``): while ``counting`` is set, forwards only add their
         # tokens per expert (and, last, their tokens) to it; ``step_counts``, the step's totals over
@@ -499,13 +500,15 @@ def take_injected_aux_loss(model: nn.Module, device: torch.device) -> Tensor:
     """This rank's part of the auxiliary loss its layers back-propagated themselves since the last call: the
     sum over its MoE layers of each one's mean share over its forwards (zero without any), for the log. The
     stages' parts sum (over the pipeline group) to the loss ``moe_aux_loss`` gives one forward of the model."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    dtype = torch.float32
     for m in model.modules():
         if isinstance(m, MoE):  # a layer without forwards adds 0 / 1 (no host sync to ask)
             total = total + (m.injected_aux / m.injected_forwards.clamp(min=1)).to(device)
             m.injected_aux.zero_()
             m.injected_forwards.zero_()
-    return total
+            dtype = torch.promote_types(dtype, next(m.parameters()).dtype)
+    return total.to(dtype)  # float32, float64 in a float64 run: as the logged loss
 
 
 def take_aux_term(model: nn.Module) -> Tensor | None:

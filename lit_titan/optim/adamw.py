@@ -47,12 +47,13 @@ def adamw_step_(
     m_store, v_store = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
     state["step"] += 1
     t = float(state["step"])
-    m, v = m_store.float(), v_store.float()
-    g = g.float()
+    compute = torch.promote_types(w.dtype, torch.float32)  # fp32 arithmetic, fp64 under precision=64-true
+    m, v = m_store.to(compute), v_store.to(compute)
+    g = g.to(compute)
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    rounding.store_(m_store, m)
-    rounding.store_(v_store, v)
+    rounding.store_(m_store, m, p, salt=0)
+    rounding.store_(v_store, v, p, salt=1)
     if wd != 0:
         w.mul_(1 - lr * wd)
     denom = (v.sqrt() / (1 - b2**t) ** 0.5).add_(eps)  # not sqrt_: with fp32 states v is the state itself

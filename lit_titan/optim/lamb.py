@@ -66,7 +66,8 @@ def full_norms(tensors: list[Tensor], like: list[Tensor]) -> Tensor:
     ``tensors`` are local pieces; the squared norms of those split the same way are stacked and
     all-reduced (sum) over each mesh dim they are sharded on, once per kind, not per parameter.
     """
-    sq = torch.stack(torch._foreach_norm(tensors, dtype=torch.float32)).square() if tensors else torch.zeros(0)
+    dtype = torch.promote_types(tensors[0].dtype, torch.float32) if tensors else torch.float32  # fp64 for fp64
+    sq = torch.stack(torch._foreach_norm(tensors, dtype=dtype)).square() if tensors else torch.zeros(0)
     kinds: dict[tuple[Any, tuple[int, ...]], list[int]] = defaultdict(list)
     for i, p in enumerate(like):
         mesh, dims = _sharded_dims(p)
@@ -140,8 +141,9 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_addcmul_(v, g, g, value=1 - b2)
         if low:
             self._rounding.start_step(int(t))
-            for stored, value in zip([*m_store, *v_store], [*m, *v]):
-                self._rounding.store_(stored, value)
+            salts = [0] * len(params) + [1] * len(params)
+            for stored, value, p, salt in zip([*m_store, *v_store], [*m, *v], [*params, *params], salts):
+                self._rounding.store_(stored, value, p, salt)
         bc1, bc2 = 1 - b1**t, 1 - b2**t
         denom = torch._foreach_sqrt(v)
         torch._foreach_div_(denom, bc2**0.5)
@@ -153,7 +155,7 @@ class Lamb(torch.optim.Optimizer):
         w_norm, u_norm = full_norms(w, params), full_norms(update, params)
         ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
         scale = ratio * -lr
-        if update[0].dtype != torch.float32:
+        if update[0].dtype != scale.dtype:
             scale = scale.to(update[0].dtype)
         torch._foreach_mul_(update, list(scale.unbind(0)))
         torch._foreach_add_(w, update)

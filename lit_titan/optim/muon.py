@@ -40,9 +40,9 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan et al.: the quintic's a, b
 
 
 def newton_schulz(g: Tensor, steps: int) -> Tensor:
-    """The orthogonalisation of ``g`` (a matrix, or a batch over its last two dims), in fp32."""
+    """The orthogonalisation of ``g`` (a matrix, or a batch over its last two dims), in fp32 (fp64 for fp64)."""
     a, b, c = NS_COEFFICIENTS
-    x = g.float()
+    x = g.to(torch.promote_types(g.dtype, torch.float32))
     wide = x.size(-2) > x.size(-1)
     if wide:  # iterate on the smaller Gram matrix
         x = x.mT
@@ -198,10 +198,11 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, p: Tensor, state: dict[str, Any], group: dict[str, Any], measure: bool) -> Tensor | None:
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
         state["step"] += 1
-        w, g = _local(p), _local(_like_param(p.grad, p)).float()
+        compute = torch.promote_types(p.dtype, torch.float32)  # fp32 arithmetic, fp64 under precision=64-true
+        w, g = _local(p), _local(_like_param(p.grad, p)).to(compute)
         stored = _local(state["momentum_buffer"])
-        buf = stored.float().mul_(mu).add_(g)
-        self._rounding.store_(stored, buf)
+        buf = stored.to(compute).mul_(mu).add_(g)
+        self._rounding.store_(stored, buf, p)
         m = g.add(buf, alpha=mu) if group["nesterov"] else buf
         update = orthogonalised_update(m, p, group["ns_steps"])
         if wd != 0:

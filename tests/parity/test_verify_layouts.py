@@ -94,3 +94,27 @@ def test_verify_fails_each_mutant_naming_it(mutant, worlds, tmp_path):
     else:
         assert ratio >= 1e6, what
         assert "step" in what or "known norm" in what  # the worst entry names where it was
+
+
+# ---- the optimizer x family matrix ---------------------------------------------------------------------------
+# Every optimizer and state precision trains each family equal to one process under a sharded layout: FSDP over
+# two ranks for the dense model (Muon gathers each sharded matrix to orthogonalise it, LAMB sums its trust-ratio
+# norms over the shards), expert parallel for the MoE model (its experts one stacked [experts, out, in] weight per
+# projection, split over the ep ranks). bf16 states round stochastically with noise keyed by each element's index
+# in the whole parameter, so the shards draw what one process draws (optim/low_precision.py).
+OPTIMIZERS = {
+    "adamw": ["optim=adamw"],
+    "adamw_bf16": ["optim=adamw", "optim.state_dtype=bf16"],
+    "lamb": ["optim=lamb", "optim.lr=1e-2"],
+    "lamb_bf16": ["optim=lamb", "optim.lr=1e-2", "optim.state_dtype=bf16"],
+    "muon": ["optim=muon", "optim.lr=1e-2"],
+    "muon_bf16": ["optim=muon", "optim.lr=1e-2", "optim.state_dtype=bf16"],
+}
+FAMILIES = {"dense": ["cluster.devices=2"], "moe": [*MOE, "cluster.devices=2", "parallel.ep=2"]}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_every_optimizer_trains_every_family_equal_to_one_process(optimizer, family, worlds, tmp_path):
+    verdict = _verify(worlds, [*FAMILIES[family], *OPTIMIZERS[optimizer]], tmp_path)
+    assert verdict.passed, verdict.margin

@@ -147,6 +147,23 @@ def test_stochastic_rounding_is_unbiased_where_nearest_rounding_stalls():
     assert abs(stochastic.float().mean().item() - exact) < 5e-4
 
 
+def test_the_states_noise_is_unbiased_keyed_by_step_and_state():
+    """The noise ``StateRounding`` uses (a hash of each element's index, the step and the state): unbiased like the
+    generator's, the same for the same (step, state), different for another step or state."""
+    from lit_titan.optim.low_precision import StateRounding
+
+    x = torch.full((200_000,), 1.0 + 2**-10)
+    rounding, out = StateRounding(), {}
+    for step, salt in ((3, 0), (3, 1), (4, 0), (3, 0)):
+        rounding.start_step(step)
+        dst = torch.empty_like(x, dtype=torch.bfloat16)
+        rounding.store_(dst, x.double(), salt=salt)  # float64 values round the same way
+        out.setdefault((step, salt), []).append(dst.float())
+        assert abs(dst.float().mean().item() - (1.0 + 2**-10)) < 2e-5
+    assert torch.equal(*out[(3, 0)])
+    assert not torch.equal(out[(3, 0)][0], out[(3, 1)][0]) and not torch.equal(out[(3, 0)][0], out[(4, 0)][0])
+
+
 def test_bf16_moments_track_the_fp32_average(one_thread):
     """AdamW's second moment over 400 steps of a constant gradient, stored in bf16: within 0.2% of the exact
     average (seen 1.4e-4); the optimizer's store rounded to nearest instead misses by 2.1%."""
