@@ -15,6 +15,8 @@ The update, per parameter ``w`` with gradient ``g`` at step ``t``::
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
     u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w
     w -= lr * (||w|| / ||u||) * u      (ratio 1 when either norm is 0)
+
+with one ratio per matrix of a stacked parameter (``matrix_norms``: an MoE layer's experts).
 """
 
 from __future__ import annotations
@@ -79,6 +81,26 @@ def full_norms(tensors: list[Tensor], like: list[Tensor]) -> Tensor:
         for d in dims:
             dist.all_reduce(part, op=dist.ReduceOp.SUM, group=mesh.get_group(d))
         sq = sq.index_copy(0, index, part)
+    return sq.sqrt()
+
+
+def _trust_ratio(w_norm: Tensor, u_norm: Tensor) -> Tensor:
+    return torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+
+
+def matrix_norms(t: Tensor, like: Tensor) -> Tensor:
+    """L2 norm of each matrix of a stack (``t``'s last two dims; a local piece split like ``like``), whole.
+
+    A parameter of more than two dims is a stack of matrices over its leading dims (an MoE layer's experts,
+    ``[experts, out, in]``): each is a layer's weight to the paper, as it is in a model with one Linear per
+    expert, so each gets its own trust ratio. Its pieces are split over the experts (whole matrices per rank);
+    a split of the matrices themselves is summed over the mesh dims that make it."""
+    sq = t.to(torch.promote_types(t.dtype, torch.float32)).square().sum(dim=(-2, -1))
+    spec = getattr(like, "_spec", None)
+    if spec is not None:
+        for d, placement in enumerate(spec.placements):
+            if getattr(placement, "dim", -1) >= t.dim() - 2 and not placement.is_replicate():
+                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=spec.mesh.get_group(d))
     return sq.sqrt()
 
 
@@ -152,12 +174,15 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_div_(update, bc1)
         if wd != 0:
             torch._foreach_add_(update, w, alpha=wd)
-        w_norm, u_norm = full_norms(w, params), full_norms(update, params)
-        ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-        scale = ratio * -lr
-        if update[0].dtype != scale.dtype:
-            scale = scale.to(update[0].dtype)
-        torch._foreach_mul_(update, list(scale.unbind(0)))
+        flat = [i for i, p in enumerate(params) if p.dim() <= 2]
+        if flat:
+            w_norm = full_norms([w[i] for i in flat], [params[i] for i in flat])
+            u_norm = full_norms([update[i] for i in flat], [params[i] for i in flat])
+            scale = _trust_ratio(w_norm, u_norm) * -lr
+            torch._foreach_mul_([update[i] for i in flat], list(scale.to(update[flat[0]].dtype).unbind(0)))
+        for i in (i for i, p in enumerate(params) if p.dim() > 2):  # stacked matrices: one ratio per matrix
+            scale = _trust_ratio(matrix_norms(w[i], params[i]), matrix_norms(update[i], params[i])) * -lr
+            update[i].mul_(scale.to(update[i].dtype)[..., None, None])
         torch._foreach_add_(w, update)
 
 

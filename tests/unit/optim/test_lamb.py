@@ -71,6 +71,26 @@ def test_lamb_matches_the_papers_rule_after_5_steps():
         torch.testing.assert_close(p.detach().double(), w, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_stacked_experts_get_one_trust_ratio_each_as_separate_linears_would():
+    """An MoE layer's ``[experts, out, in]`` weight: LAMB on it equals the paper's rule on each expert's matrix as
+    its own parameter (a model with one Linear per expert, as transformers' Qwen3-MoE has), in float64."""
+    gen = torch.Generator().manual_seed(0)
+    stacked = nn.Parameter(torch.randn(4, 6, 5, dtype=torch.float64, generator=gen))
+    with torch.no_grad():
+        stacked[1] *= 10  # experts of different scales: one ratio for the stack would move them alike
+    start = [stacked.detach()[e].clone() for e in range(4)]
+    opt = Lamb([stacked], lr=0.01, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.1)
+    grads_per_step = []
+    for _ in range(5):
+        g = torch.randn(4, 6, 5, dtype=torch.float64, generator=gen)
+        stacked.grad = g.clone()
+        grads_per_step.append([g[e] for e in range(4)])
+        opt.step()
+    want = _paper_lamb(start, grads_per_step, 0.01, (0.9, 0.999), 1e-6, [0.1] * 4)
+    for e in range(4):
+        torch.testing.assert_close(stacked.detach()[e], want[e], rtol=1e-12, atol=1e-14, msg=f"expert {e}")
+
+
 def test_trust_ratio_is_not_adams_step():
     """LAMB's per-parameter scale really acts: one step moves each matrix by lr * ||w|| (relative step lr)."""
     model = _toy()

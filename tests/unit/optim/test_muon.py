@@ -113,6 +113,27 @@ def test_muon_matches_the_published_rule_after_5_steps(nesterov):
         torch.testing.assert_close(p.detach().double(), w, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_stacked_experts_are_orthogonalised_each_as_separate_linears_would():
+    """An MoE layer's ``[experts, out, in]`` weight: Muon on it equals the published rule on each expert's matrix,
+    each scaled by its own shape (float64 arithmetic for float64 parameters)."""
+    from lit_titan.optim.muon import Muon
+
+    gen = torch.Generator().manual_seed(0)
+    stacked = nn.Parameter(torch.randn(3, 8, 5, dtype=torch.float64, generator=gen))
+    start = [stacked.detach()[e].clone() for e in range(3)]
+    group = {"params": [stacked], "use_muon": True, "weight_decay": 0.1}
+    opt = Muon([group], lr=0.02, momentum=0.95, nesterov=True, ns_steps=5)
+    grads_per_step = []
+    for _ in range(4):
+        g = torch.randn(3, 8, 5, dtype=torch.float64, generator=gen)
+        stacked.grad = g.clone()
+        grads_per_step.append([g[e] for e in range(3)])
+        opt.step()
+    want = _published_muon(start, [True] * 3, [0.1] * 3, grads_per_step, 0.02, 0.95, True, 5, (0.9, 0.95), 1e-8)
+    for e in range(3):
+        torch.testing.assert_close(stacked.detach()[e], want[e], rtol=1e-10, atol=1e-12, msg=f"expert {e}")
+
+
 def test_muon_update_rms_matches_adamws():
     """The 0.2 * sqrt(max(m, n)) scaling acts: a step of lr moves a 64 x 256 matrix by RMS ~0.2 lr."""
     w = nn.Parameter(torch.zeros(64, 256))
