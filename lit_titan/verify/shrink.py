@@ -88,8 +88,9 @@ def shrink(cfg: DictConfig, overrides: list[str], *, steps: int, precision: str,
         world = int(work.cluster.num_nodes) * int(work.cluster.devices)
         if str(work.cluster.accelerator) != "cpu":
             raise ConfigError(
-                f"cluster.num_nodes={work.cluster.num_nodes}: verify runs both sides on this machine; run it under "
-                "your launcher (lit-titan launch ... verify) or check the layout on CPU with cluster=cpu"
+                f"cluster.num_nodes={work.cluster.num_nodes}: verify runs both sides on this machine; run it on the "
+                "job's nodes under torchrun or srun (lit-titan launch --dry-run's command with -m lit_titan.cli.verify "
+                f"for -m lit_titan.train), or here on CPU with cluster=cpu cluster.devices={world}"
             )
         fix("cluster.devices", world)
         fix("cluster.num_nodes", 1)

@@ -73,6 +73,7 @@ def test_a_wrong_module_is_one_line_and_exit_code_2(tmp_path):
         ([*JOB, "verify.precision=bf16-true"], "verify.precision=bf16-true: 64-true (default) or 32-true"),
         ([*JOB, "-m", "seed=0,1"], "verify checks one job: drop -m"),
         ([*JOB, "cluster.devices=3", "parallel.tp=2"], "parallel.dp_shard=-1"),
+        (["cluster=h100_64"], "verify runs both sides on this machine; run it on the job's nodes under torchrun"),
     ],
 )
 def test_bad_input_is_refused_before_any_run(argv, line, tmp_path):
@@ -108,3 +109,8 @@ def test_shrink_keeps_what_shapes_the_plan():
     assert spec.seq_len < 256 and spec.seq_len % 4 == 0
     assert spec.batch.accumulation == 2 and spec.precision == "64-true"
     assert "parallel.cp=1" in shrunk.reference and "cluster.devices=1" in shrunk.reference
+    # two CPU "nodes" of 2 processes: the same 4 ranks on this machine
+    two_nodes = ["cluster.num_nodes=2", "cluster.devices=2", "parallel.tp=2"]
+    shrunk = shrink(compose(two_nodes), two_nodes, steps=3, precision="64-true", world_on_one_host=True)
+    assert (shrunk.spec.dims.world_size, shrunk.spec.dims.tp) == (4, 2)
+    assert {"cluster.devices=4", "cluster.num_nodes=1"} <= set(shrunk.layout)
