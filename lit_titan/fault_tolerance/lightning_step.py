@@ -185,13 +185,15 @@ class ReplicaStep:
             float(self.groups.global_batch), dtype=torch.float64, device=device
         ) / module.count_targets(whole_labels).to(torch.float64)
 
+        dtype = torch.promote_types(next(module.parameters()).dtype, torch.float32)  # the loss sum's, on every rank
+
         def train(samples: list[int]) -> Tensor:
             """Gradients of this rank's weighted loss sum over ``samples``, micro-batch by micro-batch.
 
             Under pipeline parallelism the loss sum lives on the last stage (zero on the others): the
             replica's sum over its ranks (``ReplicaGroups.reduce``) is the same either way.
             """
-            total = torch.zeros((), device=device)
+            total = torch.zeros((), device=device, dtype=dtype)
             for i in range(0, len(samples), self.micro):
                 rows = samples[i : i + self.micro]
                 inputs, labels = whole_inputs[rows], whole_labels[rows]

@@ -187,11 +187,14 @@ class ReplicaGroups:
         (zero on a rank whose pipeline stage does not compute the loss).
         """
         samples = self.assignment.samples(self.replica)
-        loss = loss_sum.detach().to(torch.float32).reshape(1).clone()
-        dist.all_reduce(loss, group=self.shard_group)  # the replica's loss sum (the shard group is intact)
         locals_ = [_local(g) for g in grads]
+        # fp32 sums (bf16 gradients are reduced in fp32), float64 in a float64 run (the loss sum is in the
+        # parameters' dtype on every rank, so every rank picks the same one)
+        dtype = torch.promote_types(loss_sum.dtype, torch.float32)
+        loss = loss_sum.detach().to(dtype).reshape(1).clone()
+        dist.all_reduce(loss, group=self.shard_group)  # the replica's loss sum (the shard group is intact)
         scale = self._weight() / samples  # replica mean (x data shards: FSDP averaged), weighted by its share
-        flat = torch.cat([g.reshape(-1).to(torch.float32) * self.data_shards for g in locals_] + [loss]) * scale
+        flat = torch.cat([g.reshape(-1).to(dtype) * self.data_shards for g in locals_] + [loss]) * scale
         ok = torch.ones(1)
         start = time.monotonic()
         try:

@@ -343,7 +343,7 @@ class MoE(nn.Module):
         return out * weights.to(out.dtype)
 
     def _record(self, scores: Tensor, indices: Tensor, counts: Tensor, bs: int, seqlen: int) -> None:
-        counts_f = counts.detach().to(torch.float32)
+        counts_f = counts.detach().to(torch.promote_types(scores.dtype, torch.float32))  # float64 in a float64 run
         if self.counting is not None:  # the step's counting forward: nothing else (no bias counts, no stats)
             self.counting += torch.cat([counts_f, counts_f.new_full((1,), bs * seqlen)])
             self.stats = {}
@@ -501,14 +501,14 @@ def take_injected_aux_loss(model: nn.Module, device: torch.device) -> Tensor:
     sum over its MoE layers of each one's mean share over its forwards (zero without any), for the log. The
     stages' parts sum (over the pipeline group) to the loss ``moe_aux_loss`` gives one forward of the model."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    dtype = torch.float32
     for m in model.modules():
         if isinstance(m, MoE):  # a layer without forwards adds 0 / 1 (no host sync to ask)
             total = total + (m.injected_aux / m.injected_forwards.clamp(min=1)).to(device)
             m.injected_aux.zero_()
             m.injected_forwards.zero_()
-            dtype = torch.promote_types(dtype, next(m.parameters()).dtype)
-    return total.to(dtype)  # float32, float64 in a float64 run: as the logged loss
+    # float32, float64 in a float64 run: as the logged loss. From any parameter: the stages of a rank may hold no
+    # MoE layer, and every stage must pick the same dtype for the sum over them.
+    return total.to(torch.promote_types(next(model.parameters()).dtype, torch.float32))
 
 
 def take_aux_term(model: nn.Module) -> Tensor | None:

@@ -114,3 +114,30 @@ def test_shrink_keeps_what_shapes_the_plan():
     shrunk = shrink(compose(two_nodes), two_nodes, steps=3, precision="64-true", world_on_one_host=True)
     assert (shrunk.spec.dims.world_size, shrunk.spec.dims.tp) == (4, 2)
     assert {"cluster.devices=4", "cluster.num_nodes=1"} <= set(shrunk.layout)
+
+
+def test_fp32_round_off_in_a_float64_check_gets_a_hint_and_a_real_bug_none():
+    from lit_titan.verify.compare import ParameterRow, Report
+    from lit_titan.verify.report import TOLERANCES, Verdict
+
+    def verdict(error: float, ratio: float) -> Verdict:
+        report = Report()
+        report.add("grads", error, "step 1 layers.0.attention.wq.weight")
+        row = ParameterRow("layers.0.attention.wq.weight", ratio, error, error, 1)
+        return Verdict(
+            "tp 2 (2 ranks)",
+            "64-true",
+            TOLERANCES["64-true"][0],
+            report,
+            [row],
+            [(6.7, 6.7)],
+            [(1.0, 1.0)],
+            0.3,
+            (2.0, 2.0),
+            1e-10,
+            {"divergent": [], "checked": 4},
+            {},
+        )
+
+    assert "hint: errors this small" in verdict(3e-7, 1.0 + 1e-9).render()
+    assert "hint:" not in verdict(0.5, 2.0).render() and "verdict: FAIL" in verdict(0.5, 2.0).render()

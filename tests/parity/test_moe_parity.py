@@ -47,7 +47,7 @@ def test_moe_reference_routing_changes_over_the_steps(moe_parity_reference):
 
     dumps = load_dumps(moe_parity_reference / "dump")
     first, last = dumps[min(dumps)]["params"], dumps[max(dumps)]["params"]
-    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0), dtype=first["tok_embeddings.weight"].dtype)
     k = int(next(o for o in MOE if o.startswith("model.moe.top_k=")).split("=")[1])
     changed = []
     for layer in ("0", "1"):

@@ -17,6 +17,11 @@ from lit_titan import PretrainModule
 IGNORE = -100
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """At least fp32 for the loss (bf16 logits upcast), float64 in a float64 run (``precision=64-true``)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class MaskedLabels(PretrainModule):
     """Ignores every label after a prefix whose length (1 to seq_len) the sequence's first token decides: the
     valid counts differ between sequences, ranks, micro-batches and context-parallel chunks, whatever the layout.
@@ -33,7 +38,7 @@ class MaskedLabelsOwnLoss(MaskedLabels):
     """The same loss written by the user, as one loss per target (zero where ignored)."""
 
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="none")
+        losses = F.cross_entropy(_wide(logits.flatten(0, 1)), labels.flatten(), ignore_index=IGNORE, reduction="none")
         return losses.view_as(labels)
 
 
@@ -41,7 +46,7 @@ class SmoothedLoss(PretrainModule):
     """The README's subclass: label smoothing."""
 
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), label_smoothing=0.1)
+        return F.cross_entropy(_wide(logits.flatten(0, 1)), labels.flatten(0, 1), label_smoothing=0.1)
 
 
 class ScaledLoss(PretrainModule):
