@@ -18,20 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-JOB = [
-    "model.dim=64",
-    "model.n_layers=2",
-    "model.n_heads=4",
-    "model.n_kv_heads=2",
-    "model.vocab_size=512",
-    "data.seq_len=32",
-    "data.max_bytes=300000",
-    "data.global_batch_size=8",
-    "seed=0",
-    "optim.lr=1e-2",
-    "trainer.gradient_clip_val=0.3",
-    "cluster.timeout_s=180",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from helpers import TINY  # noqa: E402 - the test suite's tiny model, from its support folder
+
+JOB = [*TINY, "seed=0", "optim.lr=1e-2", "trainer.gradient_clip_val=0.3"]
 MOE = ["model=qwen3_moe_debug", "model.head_dim=16", "model.moe.hidden_dim=32", "model.moe.aux_loss=sequence"]
 SIX = ["model.n_layers=6"]
 LAYOUTS: dict[str, list[str]] = {

@@ -141,3 +141,16 @@ def test_fp32_round_off_in_a_float64_check_gets_a_hint_and_a_real_bug_none():
 
     assert "hint: errors this small" in verdict(3e-7, 1.0 + 1e-9).render()
     assert "hint:" not in verdict(0.5, 2.0).render() and "verdict: FAIL" in verdict(0.5, 2.0).render()
+
+
+def test_the_per_layout_benchmark_shrinks_every_layout_it_names():
+    """benchmarks/verify_layouts.py (docs/benchmarks.md's table): every layout composes, validates and shrinks."""
+    import importlib.util
+
+    from paths import ROOT
+
+    spec = importlib.util.spec_from_file_location("verify_layouts", ROOT / "benchmarks" / "verify_layouts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.dry_run(list(module.LAYOUTS))
+    assert len(rows) == len(module.LAYOUTS) == 25 and all("ranks)" in r for r in rows)
