@@ -87,7 +87,11 @@ def prepare(argv: list[str], *, on_one_host: bool) -> tuple[dict[str, str], Shru
     check_memory(shrunk.spec, str(layout_cfg.cluster.accelerator))
     check_inputs(layout_cfg, shrunk.spec.model.vocab_size)
     base = cfg.run_dir or f"runs/{cfg.model.name}-verify-{time.strftime('%Y%m%d-%H%M%S')}"
-    return keys, shrunk, Path(str(base)).expanduser().resolve()
+    out = Path(str(base)).expanduser().resolve()
+    earlier = [out / side for side in ("layout", "reference") if (out / side).exists()]
+    if earlier and on_one_host:  # under a launcher rank 0 may have begun writing while another rank checks
+        raise ConfigError(f"run_dir={base}: holds an earlier check ({earlier[0]}); give another run_dir or remove it")
+    return keys, shrunk, out
 
 
 def run_verify(argv: list[str], runner: Runner | None = None, *, on_one_host: bool = True) -> Verdict:

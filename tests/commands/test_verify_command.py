@@ -74,6 +74,7 @@ def test_a_wrong_module_is_one_line_and_exit_code_2(tmp_path):
         ([*JOB, "-m", "seed=0,1"], "verify checks one job: drop -m"),
         ([*JOB, "cluster.devices=3", "parallel.tp=2"], "parallel.dp_shard=-1"),
         (["cluster=h100_64"], "verify runs both sides on this machine; run it on the job's nodes under torchrun"),
+        ([*JOB, "run_dir=EARLIER"], "holds an earlier check"),
     ],
 )
 def test_bad_input_is_refused_before_any_run(argv, line, tmp_path):
@@ -83,8 +84,10 @@ def test_bad_input_is_refused_before_any_run(argv, line, tmp_path):
     def never(*args):
         raise AssertionError("a side ran")
 
+    (tmp_path / "earlier" / "layout").mkdir(parents=True)
+    argv = [a.replace("EARLIER", str(tmp_path / "earlier")) for a in argv]
     with pytest.raises(ValueError) as err:
-        run_verify([*argv, f"run_dir={tmp_path}"], never)
+        run_verify([*argv, f"run_dir={tmp_path}"] if not any("run_dir=" in a for a in argv) else argv, never)
     assert line in str(err.value) and "\n" not in str(err.value)
     assert isinstance(err.value, ConfigError) or type(err.value).__name__ == "LayoutError"
 
