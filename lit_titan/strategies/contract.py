@@ -156,10 +156,11 @@ class PlainStrategy:
 
 
 def contract(strategy: Any) -> StrategyContract:
-    """``strategy`` itself when it implements the contract (TitanStrategy), else its plain answers."""
-    from lit_titan.strategies.strategy import TitanStrategy
+    """``strategy`` itself when it implements the contract (TitanStrategy), else its plain answers.
 
-    return strategy if isinstance(strategy, TitanStrategy) else PlainStrategy(strategy)
+    By the class's own word (``keeps_strategy_contract``), as ``ModuleContract`` is kept by class: this file
+    imports nothing above it."""
+    return strategy if getattr(type(strategy), "keeps_strategy_contract", False) else PlainStrategy(strategy)
 
 
 class ModuleContract:

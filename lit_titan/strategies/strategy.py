@@ -75,6 +75,8 @@ Transform = Callable[[nn.Module, ParallelPlan, "TitanStrategy"], None]
 class TitanStrategy(ModelParallelStrategy):
     """Implements ``strategies/contract.py``'s ``StrategyContract``, what the module and callbacks may ask."""
 
+    # strategies/contract.py's ``contract`` reads this: the class keeps StrategyContract itself.
+    keeps_strategy_contract = True
     # PretrainModule reads this: the strategy, not the module, builds the real weights.
     owns_parallelization = True
     # Callbacks register transforms here (register_transform); the strategy applies them in order.

@@ -73,3 +73,10 @@ def test_one_place_owns_the_optimizer_step():
 def _code(path: Path) -> str:
     """The source without its comments (a comment may name a call)."""
     return "\n".join(line.split("#", 1)[0] for line in path.read_text().splitlines())
+
+
+def test_the_strategy_contract_imports_nothing_above_it():
+    """``strategies/contract.py`` is what the module, the strategy and the callbacks agree on: it imports none of
+    them (TitanStrategy says it keeps the contract by a class attribute), so no import circle runs through it."""
+    above = ("lit_titan.strategies.strategy", "lit_titan.module", "lit_titan.callbacks")
+    assert [m for m in _imports(PACKAGE / "strategies" / "contract.py") if m.startswith(above)] == []
