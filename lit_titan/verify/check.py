@@ -83,9 +83,8 @@ def prepare(argv: list[str], *, on_one_host: bool) -> tuple[dict[str, str], Shru
         precision=keys["verify.precision"],
         world_on_one_host=on_one_host,
     )
-    layout_cfg = compose(shrunk.layout)
-    check_memory(shrunk.spec, str(layout_cfg.cluster.accelerator))
-    check_inputs(layout_cfg, shrunk.spec.model.vocab_size)
+    check_memory(shrunk.spec, str(shrunk.cfg.cluster.accelerator))
+    check_inputs(shrunk.cfg, shrunk.spec.model.vocab_size)
     base = cfg.run_dir or f"runs/{cfg.model.name}-verify-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(str(base)).expanduser().resolve()
     earlier = [out / side for side in ("layout", "reference") if (out / side).exists()]
@@ -125,7 +124,7 @@ def run_verify(argv: list[str], runner: Runner | None = None, *, on_one_host: bo
 
 def describe(shrunk: Shrunk) -> str:
     """The layout in a line: its degrees above one, the pipeline schedule and the context-parallel mode."""
-    d, cfg = shrunk.spec.dims, compose(shrunk.layout)
+    d, cfg = shrunk.spec.dims, shrunk.cfg
     degrees = [
         f"{k} {v}"
         for k, v in (
@@ -146,7 +145,7 @@ def describe(shrunk: Shrunk) -> str:
 
 
 def _clip(shrunk: Shrunk) -> float | None:
-    value = OmegaConf.select(compose(shrunk.layout), "trainer.gradient_clip_val")
+    value = OmegaConf.select(shrunk.cfg, "trainer.gradient_clip_val")
     return float(value) if value else None
 
 

@@ -57,6 +57,7 @@ class Shrunk:
     layout: list[str]
     reference: list[str]
     spec: JobSpec  # the shrunk layout's
+    cfg: DictConfig  # the shrunk layout's config, what ``layout`` composes to
     notes: list[str] = field(default_factory=list)
 
 
@@ -126,7 +127,7 @@ def shrink(cfg: DictConfig, overrides: list[str], *, steps: int, precision: str,
             break
     spec = validate(work)
     layout = [*overrides, *(f"{k}={_show(v)}" for k, v in chosen.items())]
-    return Shrunk(layout=layout, reference=[*layout, *REFERENCE], spec=spec, notes=notes)
+    return Shrunk(layout=layout, reference=[*layout, *REFERENCE], spec=spec, cfg=work, notes=notes)
 
 
 def _keeps_layers(spec: JobSpec, n: int, full: Any) -> bool:
